@@ -1,0 +1,259 @@
+"""ModelConfig: the shape of a Llama-style decoder, validated, plus what the byte model needs beyond it.
+
+A config is the single description of a model that both the runnable ``Decoder`` and the byte model
+(``kvlab.roofline``) read. Fields beyond the Llama shape (per-layer windows, MLA, a published parameter count)
+exist so that real models' byte accounting is right even where kvlab cannot run them yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvlab.dtypes import TORCH_DTYPES, canonical_dtype
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek-style multi-head latent attention: what each token caches is one latent per layer.
+
+    The cache holds ``kv_lora_rank + qk_rope_head_dim`` elements per token per layer, shared by all heads.
+    """
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+            _require_positive_int(f"mla.{name}", getattr(self, name))
+        if self.q_lora_rank is not None:
+            _require_positive_int("mla.q_lora_rank", self.q_lora_rank)
+
+    @property
+    def cached_elements_per_layer(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-style decoder (RMSNorm, RoPE, SwiGLU).
+
+    MHA, GQA and MQA all come from ``n_kv_heads``: equal to ``n_heads`` is MHA, 1 is MQA, anything between
+    that divides ``n_heads`` is GQA.
+
+    Accounting-only fields:
+    - ``layer_windows``: one entry per layer, ``None`` for a global layer or the window in tokens for a local
+      (sliding-window) layer. ``None`` for the whole tuple means every layer is global.
+    - ``mla``: the latent-attention shape, for DeepSeek-style models.
+    - ``n_params`` / ``n_active_params``: a published parameter count, for models whose blocks a Llama shape only
+      stands in for (mixture of experts, MLA, GPT-2). ``None`` means count the parameters of the shape itself.
+    """
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    d_ff: int | None = None
+    vocab_size: int = 32000
+    max_seq_len: int = 4096
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    dtype: str = "fp32"
+    layer_windows: tuple[int | None, ...] | None = None
+    mla: MLAConfig | None = None
+    n_params: int | None = None
+    n_active_params: int | None = None
+    name: str = field(default="custom", compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("n_layers", "d_model", "n_heads", "vocab_size", "max_seq_len"):
+            _require_positive_int(name, getattr(self, name))
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        _require_positive_int("n_kv_heads", self.n_kv_heads)
+        if self.n_heads % self.n_kv_heads:
+            divisors = [k for k in range(1, self.n_heads + 1) if self.n_heads % k == 0]
+            raise ValueError(
+                f"n_kv_heads: {self.n_kv_heads} does not divide n_heads={self.n_heads}; "
+                f"allowed: a divisor of n_heads ({', '.join(map(str, divisors))})"
+            )
+        if self.head_dim is None:
+            if self.d_model % self.n_heads:
+                raise ValueError(
+                    f"head_dim: not given and d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                    "allowed: give head_dim explicitly, or a d_model that n_heads divides"
+                )
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+        _require_positive_int("head_dim", self.head_dim)
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim: {self.head_dim} is odd; allowed: an even number (RoPE rotates pairs)")
+        if self.d_ff is None:
+            object.__setattr__(self, "d_ff", _default_d_ff(self.d_model))
+        _require_positive_int("d_ff", self.d_ff)
+        for name in ("rope_theta", "norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name}: {value!r} is not allowed; allowed: a finite number > 0")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"tie_embeddings: {self.tie_embeddings!r} is not allowed; allowed: True or False")
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype, "dtype", allowed=tuple(TORCH_DTYPES)))
+        if self.layer_windows is not None:
+            windows = tuple(self.layer_windows)
+            if len(windows) != self.n_layers:
+                raise ValueError(
+                    f"layer_windows: has {len(windows)} entries; allowed: exactly n_layers={self.n_layers} "
+                    "(None for a global layer, a window in tokens for a local one)"
+                )
+            for i, w in enumerate(windows):
+                if w is not None:
+                    _require_positive_int(f"layer_windows[{i}]", w)
+            object.__setattr__(self, "layer_windows", windows)
+        for name in ("n_params", "n_active_params"):
+            if getattr(self, name) is not None:
+                _require_positive_int(name, getattr(self, name))
+
+    # -- derived shape -------------------------------------------------------------------------------------------
+    @property
+    def n_groups(self) -> int:
+        """Query heads per KV head: 1 for MHA, n_heads for MQA."""
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def attention_kind(self) -> str:
+        if self.mla is not None:
+            return "MLA"
+        if self.n_kv_heads == self.n_heads:
+            return "MHA"
+        return "MQA" if self.n_kv_heads == 1 else f"GQA-{self.n_kv_heads}"
+
+    @property
+    def runnable(self) -> bool:
+        """Whether ``kvlab.Decoder`` can run this shape today (windows and MLA arrive with the mitigations)."""
+        return self.not_runnable_reason is None
+
+    @property
+    def not_runnable_reason(self) -> str | None:
+        if self.mla is not None:
+            return "MLA attention is accounted for by the byte model but not yet runnable"
+        if self.layer_windows is not None and any(w is not None for w in self.layer_windows):
+            return "per-layer sliding windows are accounted for by the byte model but not yet runnable"
+        if self.n_active_params is not None:
+            return "mixture-of-experts blocks are accounted for by the byte model but not runnable"
+        return None
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """A copy with some fields changed, validated again."""
+        return dataclasses.replace(self, **changes)
+
+    # -- Hugging Face config.json ----------------------------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, source: str | Path | dict[str, Any] | Any) -> ModelConfig:
+        """Read a Llama-style Hugging Face ``config.json`` (a path, a folder, a dict, or a transformers config).
+
+        Keys read: ``num_hidden_layers``, ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``,
+        ``head_dim``, ``intermediate_size``, ``vocab_size``, ``max_position_embeddings``, ``rope_theta`` (or
+        ``rope_parameters.rope_theta``), ``rms_norm_eps``, ``tie_word_embeddings``, ``torch_dtype``/``dtype``,
+        ``sliding_window`` with ``layer_types``, and DeepSeek's MLA keys.
+        """
+        hf = _load_hf_dict(source)
+        missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads") if k not in hf]
+        if missing:
+            raise ValueError(f"config.json: missing {', '.join(missing)}; allowed: a Llama-style config.json")
+        n_layers = hf["num_hidden_layers"]
+        rope = hf.get("rope_parameters") or {}
+        dtype = hf.get("dtype") or hf.get("torch_dtype") or "fp32"
+        mla = None
+        if hf.get("kv_lora_rank"):
+            mla = MLAConfig(
+                kv_lora_rank=hf["kv_lora_rank"],
+                qk_rope_head_dim=hf["qk_rope_head_dim"],
+                qk_nope_head_dim=hf["qk_nope_head_dim"],
+                v_head_dim=hf["v_head_dim"],
+                q_lora_rank=hf.get("q_lora_rank"),
+            )
+        return cls(
+            n_layers=n_layers,
+            d_model=hf["hidden_size"],
+            n_heads=hf["num_attention_heads"],
+            n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            head_dim=hf.get("head_dim"),
+            d_ff=hf.get("intermediate_size"),
+            vocab_size=hf.get("vocab_size", 32000),
+            max_seq_len=hf.get("max_position_embeddings", 4096),
+            rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            dtype=dtype,
+            layer_windows=_hf_layer_windows(hf, n_layers),
+            mla=mla,
+            name=str(hf.get("_name_or_path") or hf.get("model_type") or "custom"),
+        )
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The Llama ``config.json`` dict for this shape (dense, global attention only)."""
+        if not self.runnable:
+            raise ValueError(f"to_hf_config: {self.not_runnable_reason}")
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "num_hidden_layers": self.n_layers,
+            "hidden_size": self.d_model,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.d_ff,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_seq_len,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.norm_eps,
+            "tie_word_embeddings": self.tie_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "torch_dtype": {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[self.dtype],
+        }
+
+
+def _require_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}: {value!r} is not allowed; allowed: a positive integer")
+
+
+def _default_d_ff(d_model: int) -> int:
+    # Llama's rule: 2/3 of 4*d, rounded up to a multiple of 64, so SwiGLU's three matrices cost what a 4x MLP does.
+    return 64 * math.ceil(8 * d_model / 3 / 64)
+
+
+def _load_hf_dict(source: Any) -> dict[str, Any]:
+    if isinstance(source, dict):
+        return source
+    if hasattr(source, "to_dict"):
+        return source.to_dict()
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"config: {str(path)!r} does not exist; allowed: a config.json file or a folder holding one")
+    return json.loads(path.read_text())
+
+
+def _hf_layer_windows(hf: dict[str, Any], n_layers: int) -> tuple[int | None, ...] | None:
+    window = hf.get("sliding_window")
+    layer_types = hf.get("layer_types")
+    if layer_types:
+        if not window:
+            return None
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    # Mistral and Qwen2 configs carry sliding_window without layer_types; Qwen2 also has an off switch.
+    if window and hf.get("use_sliding_window", True):
+        return (int(window),) * n_layers
+    return None

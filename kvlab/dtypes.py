@@ -1,0 +1,66 @@
+"""Dtype names used across kvlab: one table, so the CLI, the configs and the byte model agree.
+
+Every dtype has a canonical short name (``fp32``, ``bf16``, ...) and a size in bytes per element.
+``int4`` is half a byte: two values share one byte when packed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BYTES_PER_ELEMENT: dict[str, float] = {
+    "fp32": 4,
+    "fp16": 2,
+    "bf16": 2,
+    "fp8": 1,
+    "int8": 1,
+    "int4": 0.5,
+}
+
+ALIASES: dict[str, str] = {
+    "float32": "fp32",
+    "float": "fp32",
+    "f32": "fp32",
+    "float16": "fp16",
+    "half": "fp16",
+    "f16": "fp16",
+    "bfloat16": "bf16",
+    "float8": "fp8",
+    "fp8_e4m3": "fp8",
+    "float8_e4m3fn": "fp8",
+    "e4m3": "fp8",
+    "i8": "int8",
+    "i4": "int4",
+}
+
+# Dtypes a Decoder can hold its weights and run in. The others exist only in the byte model
+# (and, for the KV cache, in the codecs).
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
+
+
+def canonical_dtype(name: str | torch.dtype, field: str = "dtype", allowed: tuple[str, ...] | None = None) -> str:
+    """Return the canonical name of a dtype, or raise ``ValueError`` naming ``field`` and the allowed names."""
+    allowed = tuple(BYTES_PER_ELEMENT) if allowed is None else allowed
+    if isinstance(name, torch.dtype):
+        by_torch = {v: k for k, v in TORCH_DTYPES.items()}
+        key = by_torch.get(name, str(name))
+    else:
+        key = str(name).strip().lower().removeprefix("torch.")
+        key = ALIASES.get(key, key)
+    if key not in allowed:
+        raise ValueError(f"{field}: unknown dtype {name!r}; allowed: {', '.join(allowed)}")
+    return key
+
+
+def bytes_per_element(name: str | torch.dtype, field: str = "dtype") -> float:
+    """Bytes one element takes in storage: 4 for fp32, 0.5 for packed int4."""
+    return BYTES_PER_ELEMENT[canonical_dtype(name, field)]
+
+
+def torch_dtype(name: str | torch.dtype, field: str = "dtype") -> torch.dtype:
+    """The torch dtype a model can compute in (fp32, fp16, bf16)."""
+    return TORCH_DTYPES[canonical_dtype(name, field, allowed=tuple(TORCH_DTYPES))]

@@ -1,0 +1,39 @@
+"""Attention kernels in plain PyTorch, written for the shapes a KV cache hands them.
+
+Decode (one query per sequence) is a matrix-vector product over the whole cache, so its speed is set by how
+the cache's bytes are laid out. Keys stored key-major (``[D, S]`` per head) let ``q @ K`` stream each row of D
+contiguous runs of S values; token-major keys (``[S, D]``) made the same product run at half the bandwidth on
+the course's reference CPU (see PERFORMANCE_NOTES in the design folder).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def decode_attention(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Grouped attention of one query per head over S cached tokens.
+
+    ``q``: ``[B, Hkv, G, D]``, the G query heads that share each KV head, already scaled by ``1/sqrt(D)``.
+    ``k_t``: ``[B, Hkv, D, S]`` (key-major). ``v``: ``[B, Hkv, S, D]``. Returns ``[B, Hkv, G, D]``.
+
+    One batched matmul per KV head group reads each K/V byte once for all G query heads; SDPA's
+    ``enable_gqa`` on CPU re-reads K/V once per query head instead.
+    """
+    scores = torch.matmul(q, k_t)
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int) -> torch.Tensor:
+    """Causal attention for several new queries (prefill, or a multi-token step).
+
+    ``q``: ``[B, H, T, D]`` at positions ``q_start .. q_start+T-1``; ``k``, ``v``: ``[B, Hkv, S, D]`` at positions
+    ``0 .. S-1``. Query t sees keys ``0 .. q_start+t``. Returns ``[B, H, T, D]``.
+    """
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    if q_start == 0 and n_q == n_k:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    q_pos = torch.arange(q_start, q_start + n_q, device=q.device)
+    mask = torch.arange(n_k, device=q.device)[None, :] <= q_pos[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)

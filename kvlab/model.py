@@ -1,0 +1,248 @@
+"""A Llama-style decoder (RMSNorm, RoPE, SwiGLU) whose decode step is laid out to stream its bytes.
+
+The weights of every projection are stored ``[in, out]`` and applied as ``x @ W``: for the one-row activations of
+a decode step, that reads each weight row contiguously, which on CPU ran near copy bandwidth where
+``nn.Linear``'s ``[out, in]`` layout did not. Q, K and V share one matrix and so do SwiGLU's gate and up
+projections, so a layer is four matrix products and few Python calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kvlab.cache.base import KVCache
+from kvlab.cache.contiguous import ContiguousKVCache
+from kvlab.config import ModelConfig
+from kvlab.device import resolve_device
+from kvlab.dtypes import canonical_dtype, torch_dtype
+from kvlab.kernels import causal_attention
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32, as Llama does, so bf16 models keep the same statistics.
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE in the rotate-half convention of Hugging Face's Llama, so its checkpoints load unchanged."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions``: ``[T]`` -> ``cos``, ``sin``: ``[T, 1, D]`` (broadcast over heads)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x``: ``[B, T, heads, D]``."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """MHA, GQA or MQA, by ``n_kv_heads``. The cache stores K/V and runs the attention kernel for its layout."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.wqkv = nn.Parameter(torch.empty(cfg.d_model, q_dim + 2 * kv_dim))  # [in, q | k | v]
+        self.wo = nn.Parameter(torch.empty(q_dim, cfg.d_model))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        """``x``: ``[B, T, d_model]``. Without a cache, attends causally within ``x`` (training, scoring)."""
+        b, t, _ = x.shape
+        qk_heads = self.n_heads + self.n_kv_heads
+        qkv = (x @ self.wqkv).view(b, t, qk_heads + self.n_kv_heads, self.head_dim)
+        qk = apply_rope(qkv[:, :, :qk_heads], cos, sin)
+        q, k, v = qk[:, :, : self.n_heads], qk[:, :, self.n_heads :], qkv[:, :, qk_heads:]
+        if cache is None:
+            out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), q_start=0).transpose(1, 2)
+        else:
+            cache.append(self.layer, k, v)
+            out = cache.attend(self.layer, q)
+        return out.reshape(b, t, -1) @ self.wo
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w_gate_up = nn.Parameter(torch.empty(cfg.d_model, 2 * cfg.d_ff))  # [in, gate | up]
+        self.w_down = nn.Parameter(torch.empty(cfg.d_ff, cfg.d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = (x @ self.w_gate_up).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ self.w_down
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Decoder(nn.Module):
+    """Token ids in, next-token logits out, with a KV cache between calls.
+
+    - ``forward(tokens)``: the whole sequence, no cache (a fresh one is used and dropped).
+    - ``prefill(tokens, cache)``, ``decode_step(tokens, cache)``: logits for the new positions only.
+    - ``generate(prompt, max_new_tokens)``: greedy or sampled continuation, new ids only.
+    """
+
+    def __init__(self, cfg: ModelConfig, device: str | torch.device | None = None, seed: int | None = 0) -> None:
+        super().__init__()
+        if not cfg.runnable:
+            raise ValueError(f"{cfg.name}: {cfg.not_runnable_reason}")
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.d_model, cfg.vocab_size))
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.reset_parameters(seed)
+        self.to(device=resolve_device(device), dtype=torch_dtype(cfg.dtype))
+        # RoPE angles stay fp32 even in a bf16 model: bf16 cannot tell position 300 from 301.
+        self.rope.inv_freq = self.rope.inv_freq.float()
+        self.eval()
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int | None = 0) -> None:
+        """Random weights: N(0, 0.02), with the residual projections scaled down by depth as in GPT-2."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        std, out_std = 0.02, 0.02 / (2 * self.cfg.n_layers) ** 0.5
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * (out_std if name.endswith(("wo", "w_down")) else std))
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def new_cache(self, batch_size: int = 1, capacity: int | None = None, kv_dtype: str | None = None) -> KVCache:
+        """A contiguous cache for this model; ``capacity`` defaults to ``max_seq_len``."""
+        cfg = self.cfg
+        return ContiguousKVCache(
+            cfg.n_layers,
+            batch_size,
+            cfg.max_seq_len if capacity is None else capacity,
+            cfg.n_kv_heads,
+            cfg.head_dim,
+            dtype=canonical_dtype(kv_dtype or cfg.dtype, "kv_dtype"),
+            device=self.device,
+        )
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.norm(h)
+        return h @ self.embed.weight.T if self.lm_head is None else h @ self.lm_head
+
+    def _run(self, tokens: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        tokens = self._check_tokens(tokens, cache)
+        start = 0 if cache is None else cache.reserve(tokens.shape[1])
+        positions = torch.arange(start, start + tokens.shape[1], device=self.device)
+        cos, sin = self.rope(positions)
+        cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+        h = self.embed(tokens)
+        for block in self.layers:
+            h = block(h, cos, sin, cache)
+        return self._logits(h)
+
+    def _check_tokens(self, tokens: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        tokens = torch.as_tensor(tokens, device=self.device)
+        if tokens.dim() != 2 or tokens.shape[1] == 0:
+            raise ValueError(f"tokens: shape {tuple(tokens.shape)}; allowed: [batch, time] with time >= 1")
+        if cache is not None and tokens.shape[0] != cache.batch_size:
+            raise ValueError(f"tokens: batch {tokens.shape[0]} but the cache holds {cache.batch_size} sequences")
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.cfg.vocab_size):
+            raise ValueError(
+                f"tokens: ids must lie in [0, {self.cfg.vocab_size}); got {int(tokens.min())}..{int(tokens.max())}"
+            )
+        return tokens
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens``: ``[B, T]`` -> logits ``[B, T, V]`` for every position, no cache. Differentiable (training)."""
+        if tokens.shape[-1] > self.cfg.max_seq_len:
+            raise ValueError(
+                f"tokens: {tokens.shape[-1]} positions; allowed: at most max_seq_len={self.cfg.max_seq_len}"
+            )
+        return self._run(tokens, None)
+
+    @torch.inference_mode()
+    def prefill(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Append ``tokens`` ``[B, T]`` to ``cache``; logits ``[B, T, V]`` for those positions."""
+        return self._run(tokens, cache)
+
+    @torch.inference_mode()
+    def decode_step(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One new token per sequence, ``[B]`` or ``[B, 1]`` -> logits ``[B, V]``."""
+        tokens = torch.as_tensor(tokens, device=self.device)
+        if tokens.dim() == 1:
+            tokens = tokens[:, None]
+        if tokens.shape[-1] != 1:
+            raise ValueError(f"tokens: decode_step takes one token per sequence; got shape {tuple(tokens.shape)}")
+        return self._run(tokens, cache)[:, -1]
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt: torch.Tensor | Sequence[int] | Sequence[Sequence[int]],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Continue ``prompt`` (``[T]`` or ``[B, T]``) by ``max_new_tokens``; return only the new ids.
+
+        ``temperature=0`` is greedy. Otherwise logits are divided by the temperature, cut to the ``top_k`` most
+        likely and to the smallest set whose probability reaches ``top_p``, and sampled with ``seed``.
+        """
+        from kvlab.sampling import sample_next
+
+        prompt = torch.as_tensor(prompt, dtype=torch.long, device=self.device)
+        squeeze = prompt.dim() == 1
+        prompt = prompt[None] if squeeze else prompt
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens: {max_new_tokens}; allowed: an integer >= 0")
+        if prompt.shape[1] == 0:
+            raise ValueError("prompt: empty; allowed: at least one token")
+        if cache is None:
+            cache = self.new_cache(prompt.shape[0], capacity=prompt.shape[1] + max(max_new_tokens, 1))
+        gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
+        out = torch.empty(prompt.shape[0], max_new_tokens, dtype=torch.long, device=self.device)
+        if max_new_tokens:
+            logits = self.prefill(prompt, cache)[:, -1]
+            for i in range(max_new_tokens):
+                out[:, i] = sample_next(logits, temperature, top_k, top_p, gen)
+                if i + 1 < max_new_tokens:
+                    logits = self.decode_step(out[:, i], cache)
+        return out[0] if squeeze else out

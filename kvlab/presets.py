@@ -1,0 +1,164 @@
+"""Named model shapes and GPUs, from verified reference figures (sources in ``data/reference_presets.md``).
+
+Real-model presets carry random weights when run: kvlab never downloads a checkpoint. Their MLP width is the one
+that makes a Llama-style block reproduce the published parameter count, which for the Llama, Mistral, Qwen and
+Gemma-2 rows equals the model's own ``intermediate_size``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+
+from kvlab.config import MLAConfig, ModelConfig
+
+# Course-sized shapes: small enough to decode on a laptop CPU, large enough that the KV term is measurable.
+_COURSE_PRESETS = {
+    "cpu-tiny": ModelConfig(
+        n_layers=4,
+        d_model=256,
+        n_heads=4,
+        n_kv_heads=4,
+        d_ff=768,
+        vocab_size=4096,
+        max_seq_len=8192,
+        name="cpu-tiny",
+    ),
+    "cpu-small": ModelConfig(
+        n_layers=8,
+        d_model=512,
+        n_heads=8,
+        n_kv_heads=8,
+        d_ff=1536,
+        vocab_size=8192,
+        max_seq_len=65536,
+        name="cpu-small",
+    ),
+}
+
+# Where a row's source gives no MLP width or a Llama block does not describe it (MoE, MLA, GPT-2), the width here
+# only makes the stand-in runnable or countable; the published parameter count is what the byte model uses.
+_PUBLIC_D_FF = {"gemma-3-27b": 21504, "gpt2-small": 3072}
+
+
+@dataclass(frozen=True)
+class GPU:
+    """A GPU's datasheet figures (dense, not 2:4-sparse)."""
+
+    name: str
+    memory_gb: float
+    bandwidth_gbps: float
+    bf16_tflops: float | None
+    fp8_tflops: float | None
+    source: str
+
+
+@cache
+def _reference() -> dict:
+    text = resources.files("kvlab.data").joinpath("reference_presets.json").read_text()
+    return json.loads(text)
+
+
+def _model_from_reference(name: str, m: dict) -> ModelConfig:
+    d, n_layers, heads, vocab = m["hidden"], m["layers"], m["heads"], m["vocab"]
+    tied = bool(m.get("tied_embeddings", False))
+    window = m.get("window")
+    layer_windows = None
+    if window:
+        layer_windows = _window_pattern(n_layers, window["size"], window["local_layers"], window["global_layers"])
+    mla = None
+    if m.get("mla"):
+        x = m["mla"]
+        mla = MLAConfig(
+            x["kv_lora_rank"], x["qk_rope_head_dim"], x["qk_nope_head_dim"], x["v_head_dim"], x["q_lora_rank"]
+        )
+        head_dim, kv_heads = x["qk_nope_head_dim"] + x["qk_rope_head_dim"], heads
+    else:
+        head_dim, kv_heads = m["head_dim"], m["kv_heads"]
+    params = None if m["params_b"] is None else round(m["params_b"] * 1e9)
+    stand_in = bool(m.get("moe") or mla or name.startswith("gpt2"))
+    if name in _PUBLIC_D_FF:
+        d_ff = _PUBLIC_D_FF[name]
+    elif params is not None and not stand_in:
+        d_ff = _d_ff_for_params(params, n_layers, d, heads, kv_heads, head_dim, vocab, tied)
+    else:
+        d_ff = None
+    return ModelConfig(
+        n_layers=n_layers,
+        d_model=d,
+        n_heads=heads,
+        n_kv_heads=kv_heads,
+        head_dim=head_dim,
+        d_ff=d_ff,
+        vocab_size=vocab,
+        max_seq_len=m.get("max_context", 131072),
+        tie_embeddings=tied,
+        dtype="bf16",
+        layer_windows=layer_windows,
+        mla=mla,
+        n_params=params if stand_in else None,
+        n_active_params=None if m.get("active_params_b") is None else round(m["active_params_b"] * 1e9),
+        name=name,
+    )
+
+
+def _d_ff_for_params(
+    params: int, n_layers: int, d: int, heads: int, kv_heads: int, head_dim: int, vocab: int, tied: bool
+) -> int:
+    """The MLP width, to a multiple of 256, at which a Llama-style block has the published parameter count."""
+    embeddings = vocab * d * (1 if tied else 2)
+    attention = 2 * d * heads * head_dim + 2 * d * kv_heads * head_dim
+    per_layer = (params - embeddings - d) / n_layers - attention - 2 * d
+    return 256 * round(per_layer / (3 * d) / 256)
+
+
+def _window_pattern(n_layers: int, size: int, local: int, global_: int) -> tuple[int | None, ...]:
+    """Spread the global layers evenly: every other layer for 1:1 (Gemma-2, gpt-oss), every sixth for Gemma-3."""
+    if local + global_ != n_layers:
+        raise ValueError(f"window: local_layers + global_layers = {local + global_}, but the model has {n_layers}")
+    global_at = {round((j + 1) * n_layers / global_) - 1 for j in range(global_)}
+    return tuple(None if i in global_at else size for i in range(n_layers))
+
+
+@cache
+def model_presets() -> dict[str, ModelConfig]:
+    """Every named model shape: the course's CPU models first, then the real models in the reference table."""
+    real = {name: _model_from_reference(name, m) for name, m in _reference()["models"].items()}
+    return {**_COURSE_PRESETS, **real}
+
+
+@cache
+def gpu_presets() -> dict[str, GPU]:
+    out = {}
+    for name, g in _reference()["gpus"].items():
+        out[name] = GPU(
+            name=name,
+            memory_gb=g["hbm_gb"],
+            bandwidth_gbps=g["bw_tbs"] * 1000,
+            bf16_tflops=g["bf16_tflops"],
+            fp8_tflops=g["fp8_tflops"],
+            source=_GPU_SOURCE,
+        )
+    return out
+
+
+_GPU_SOURCE = "vendor datasheets (dense figures), as collected in kvlab/data/reference_presets.md"
+
+
+def get_model(name: str) -> ModelConfig:
+    """A named model shape; ``ValueError`` lists the names when it is unknown."""
+    presets = model_presets()
+    key = name.strip().lower()
+    if key not in presets:
+        raise ValueError(f"model: unknown preset {name!r}; allowed: {', '.join(presets)}")
+    return presets[key]
+
+
+def get_gpu(name: str) -> GPU:
+    presets = gpu_presets()
+    key = name.strip().lower()
+    if key not in presets:
+        raise ValueError(f"gpu: unknown preset {name!r}; allowed: {', '.join(presets)}")
+    return presets[key]
