@@ -16,6 +16,8 @@ from typing import Any
 
 from kvlab.dtypes import TORCH_DTYPES, canonical_dtype
 
+RUNNABLE_ROPE_TYPES = ("default", "llama3")
+
 
 @dataclass(frozen=True)
 class MLAConfig:
@@ -52,6 +54,8 @@ class ModelConfig:
     - ``layer_windows``: one entry per layer, ``None`` for a global layer or the window in tokens for a local
       (sliding-window) layer. ``None`` for the whole tuple means every layer is global.
     - ``mla``: the latent-attention shape, for DeepSeek-style models.
+    - ``rope_scaling``: Hugging Face's ``rope_parameters`` beyond the default, as sorted ``(key, value)`` pairs
+      (``rope_type="llama3"`` is runnable; other types are kept for the record).
     - ``n_params`` / ``n_active_params``: a published parameter count, for models whose blocks a Llama shape only
       stands in for (mixture of experts, MLA, GPT-2). ``None`` means count the parameters of the shape itself.
     """
@@ -65,6 +69,7 @@ class ModelConfig:
     vocab_size: int = 32000
     max_seq_len: int = 4096
     rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     dtype: str = "fp32"
@@ -103,6 +108,8 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name}: {value!r} is not allowed; allowed: a finite number > 0")
+        if self.rope_scaling is not None:
+            object.__setattr__(self, "rope_scaling", tuple(sorted(dict(self.rope_scaling).items())))
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"tie_embeddings: {self.tie_embeddings!r} is not allowed; allowed: True or False")
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype, "dtype", allowed=tuple(TORCH_DTYPES)))
@@ -148,6 +155,9 @@ class ModelConfig:
             return "per-layer sliding windows are accounted for by the byte model but not yet runnable"
         if self.n_active_params is not None:
             return "mixture-of-experts blocks are accounted for by the byte model but not runnable"
+        rope_type = dict(self.rope_scaling or ()).get("rope_type", "default")
+        if rope_type not in RUNNABLE_ROPE_TYPES:
+            return f"rope_type {rope_type!r} is not runnable; allowed: {', '.join(RUNNABLE_ROPE_TYPES)}"
         return None
 
     def replace(self, **changes: Any) -> ModelConfig:
@@ -169,7 +179,12 @@ class ModelConfig:
         if missing:
             raise ValueError(f"config.json: missing {', '.join(missing)}; allowed: a Llama-style config.json")
         n_layers = hf["num_hidden_layers"]
-        rope = hf.get("rope_parameters") or {}
+        # transformers 5 writes rope_parameters (theta included); 4.x wrote rope_theta and rope_scaling.
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        rope_theta = float(hf.get("rope_theta", rope.pop("rope_theta", 10000.0)))
+        rope.pop("rope_theta", None)
+        if rope.get("rope_type", rope.get("type", "default")) == "default":
+            rope = {}
         dtype = hf.get("dtype") or hf.get("torch_dtype") or "fp32"
         mla = None
         if hf.get("kv_lora_rank"):
@@ -189,7 +204,8 @@ class ModelConfig:
             d_ff=hf.get("intermediate_size"),
             vocab_size=hf.get("vocab_size", 32000),
             max_seq_len=hf.get("max_position_embeddings", 4096),
-            rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_theta=rope_theta,
+            rope_scaling=tuple(sorted(rope.items())) or None,
             norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             dtype=dtype,
@@ -214,6 +230,7 @@ class ModelConfig:
             "vocab_size": self.vocab_size,
             "max_position_embeddings": self.max_seq_len,
             "rope_theta": self.rope_theta,
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
             "rms_norm_eps": self.norm_eps,
             "tie_word_embeddings": self.tie_embeddings,
             "hidden_act": "silu",

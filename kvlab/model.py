@@ -36,9 +36,11 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """RoPE in the rotate-half convention of Hugging Face's Llama, so its checkpoints load unchanged."""
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None) -> None:
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        if scaling and scaling.get("rope_type") == "llama3":
+            inv_freq = _llama3_frequencies(inv_freq, scaling)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,6 +48,19 @@ class RotaryEmbedding(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         return angles.cos(), angles.sin()
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1's long-context RoPE: slow the low frequencies by ``factor``, keep the high ones, blend between.
+
+    Wavelengths longer than the original context / low_freq_factor are stretched; shorter than
+    original / high_freq_factor are untouched; in between, interpolate linearly in original_context / wavelength.
+    """
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    original = s["original_max_position_embeddings"]
+    wavelength = 2 * torch.pi / inv_freq
+    blend = ((original / wavelength - low) / (high - low)).clamp(0, 1)
+    return (1 - blend) * inv_freq / factor + blend * inv_freq
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -121,7 +136,7 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.d_model, cfg.vocab_size))
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, dict(cfg.rope_scaling or ()))
         self.reset_parameters(seed)
         self.to(device=resolve_device(device), dtype=torch_dtype(cfg.dtype))
         # RoPE angles stay fp32 even in a bf16 model: bf16 cannot tell position 300 from 301.

@@ -147,18 +147,23 @@ def gpu_presets() -> dict[str, GPU]:
 _GPU_SOURCE = "vendor datasheets (dense figures), as collected in kvlab/data/reference_presets.md"
 
 
-def get_model(name: str) -> ModelConfig:
-    """A named model shape; ``ValueError`` lists the names when it is unknown."""
-    presets = model_presets()
+def get_model(name: str, field: str = "model") -> ModelConfig:
+    """A named model shape; ``ValueError`` names ``field`` and lists the presets when it is unknown."""
+    return _lookup(model_presets(), name, field)
+
+
+def get_gpu(name: str, field: str = "gpu") -> GPU:
+    return _lookup(gpu_presets(), name, field)
+
+
+def _lookup(presets: dict, name: str, field: str):
     key = name.strip().lower()
     if key not in presets:
-        raise ValueError(f"model: unknown preset {name!r}; allowed: {', '.join(presets)}")
+        raise ValueError(f"{field}: unknown preset {name!r}; allowed: {', '.join(presets)}")
     return presets[key]
 
 
-def get_gpu(name: str) -> GPU:
-    presets = gpu_presets()
-    key = name.strip().lower()
-    if key not in presets:
-        raise ValueError(f"gpu: unknown preset {name!r}; allowed: {', '.join(presets)}")
-    return presets[key]
+def params_verified(name: str) -> bool:
+    """Whether the reference table gives a verified parameter count for this preset (course presets: counted)."""
+    models = _reference()["models"]
+    return name not in models or models[name]["params_b"] is not None

@@ -66,6 +66,35 @@ class KVCache(ABC):
     def reset(self) -> None:
         """Forget every token; keep the allocation."""
 
+    def fast_fill(self, n_tokens: int, generator: torch.Generator | None = None, chunk: int = 2048) -> None:
+        """Append ``n_tokens`` of random K/V to every sequence without running the model.
+
+        For timing sweeps: a decode step's time depends on how many bytes it streams, not on their values (no
+        branch depends on the data), so a 32k-token context filled this way costs a step what a real prefill
+        would leave behind, without the minutes that prefill takes on a CPU. Values are standard normal, so
+        softmax sees ordinary numbers. Goes through ``reserve``/``append``, so a policy or codec applies as usual.
+        """
+        if n_tokens < 0:
+            raise ValueError(f"n_tokens: {n_tokens}; allowed: an integer >= 0")
+        device = self.device
+        for done in range(0, n_tokens, chunk):
+            n = min(chunk, n_tokens - done)
+            self.reserve(n)
+            shape = (self.batch_size, n, self.n_kv_heads, self.head_dim)
+            for layer in range(self.n_layers):
+                k, v = (torch.randn(shape, generator=generator).to(device, self.torch_dtype) for _ in range(2))
+                self.append(layer, k, v)
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """Where the cache's tensors live."""
+
+    @property
+    @abstractmethod
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype K/V arrive in (what ``append`` takes)."""
+
     @property
     def kv_bytes_per_token(self) -> float:
         """Bytes one token of one sequence takes across all layers (K and V)."""

@@ -62,6 +62,10 @@ class ContiguousKVCache(KVCache):
     def device(self) -> torch.device:
         return self._k_t.device
 
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return self._k_t.dtype
+
     def reserve(self, n_new: int) -> int:
         if n_new <= 0:
             raise ValueError(f"n_new: {n_new} is not allowed; allowed: a positive integer")
@@ -97,18 +101,3 @@ class ContiguousKVCache(KVCache):
     def reset(self) -> None:
         self._length = 0
         self._start = 0
-
-    def fast_fill(self, n_tokens: int, generator: torch.Generator | None = None) -> None:
-        """Mark ``n_tokens`` slots as filled with random K/V, without running a prefill.
-
-        For timing sweeps only: a decode step's time depends on how many bytes it streams, not on their values
-        (no branch depends on the data), so a 32k-token context costs the same filled this way as by a prefill
-        that would take minutes on a CPU. Values are standard-normal so softmax sees ordinary numbers.
-        """
-        self.reset()
-        self.reserve(n_tokens)
-        for layer in range(self.n_layers):
-            k = self._k_layers[layer][..., :n_tokens]
-            v = self._v_layers[layer][:, :, :n_tokens]
-            k.copy_(torch.randn(k.shape, generator=generator, dtype=torch.float32).to(k.dtype))
-            v.copy_(torch.randn(v.shape, generator=generator, dtype=torch.float32).to(v.dtype))

@@ -1,0 +1,384 @@
+"""Latency measurement with vLLM's definitions, context sweeps, and the straight-line fit the course tests.
+
+Per request of ``n`` output tokens (vLLM ``benchmarks`` definitions):
+- TTFT: time from the request's start to its first output token (prefill plus the first sampling).
+- ITL: every gap between two consecutive output tokens.
+- E2EL: time from the request's start to its last output token.
+- TPOT = (E2EL - TTFT) / (n - 1): the mean gap after the first token, one number per request.
+
+Timing rules: warm up before measuring (first calls pay for allocation and kernel selection); synchronize the
+device before reading a clock (CUDA events on GPU, where launches are asynchronous); report percentiles, not one
+run, because a shared machine's timings have a long tail.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from itertools import pairwise
+from pathlib import Path
+
+import torch
+
+from kvlab.cache.base import KVCache
+from kvlab.device import synchronize
+from kvlab.model import Decoder
+from kvlab.roofline import Bandwidth, measure_bandwidth, predict_tpot_ms, weight_bytes_read
+
+PERCENTILES = (50, 90, 99)
+
+
+# -- statistics --------------------------------------------------------------------------------------------------
+def percentile(values: Sequence[float], p: float) -> float:
+    """Linear-interpolated percentile (numpy's default), ``p`` in [0, 100]."""
+    if not values:
+        raise ValueError("values: empty; allowed: at least one measurement")
+    if not 0 <= p <= 100:
+        raise ValueError(f"p: {p}; allowed: 0 <= p <= 100")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * p / 100
+    lo, hi = math.floor(rank), math.ceil(rank)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+
+
+def summarize(name: str, values_ms: Sequence[float]) -> dict[str, float]:
+    """``mean_<name>_ms``, ``median_<name>_ms``, ``p90_..``, ``p99_..``: the field names vLLM's bench writes."""
+    out = {f"mean_{name}_ms": sum(values_ms) / len(values_ms), f"median_{name}_ms": percentile(values_ms, 50)}
+    out.update({f"p{p}_{name}_ms": percentile(values_ms, p) for p in PERCENTILES if p != 50})
+    return out
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Least-squares line ``y = slope * x + intercept`` and its coefficient of determination."""
+
+    slope: float
+    intercept: float
+    r2: float
+
+
+def fit_line(x: Sequence[float], y: Sequence[float]) -> Fit:
+    if len(x) != len(y) or len(x) < 2:
+        raise ValueError(f"x, y: need two equally long sequences of at least 2 points; got {len(x)} and {len(y)}")
+    n = len(x)
+    mx, my = sum(x) / n, sum(y) / n
+    sxx = sum((a - mx) ** 2 for a in x)
+    if sxx == 0:
+        raise ValueError("x: all values are equal; allowed: at least two distinct x values")
+    slope = sum((a - mx) * (b - my) for a, b in zip(x, y, strict=True)) / sxx
+    intercept = my - slope * mx
+    ss_res = sum((b - (slope * a + intercept)) ** 2 for a, b in zip(x, y, strict=True))
+    ss_tot = sum((b - my) ** 2 for b in y)
+    return Fit(slope, intercept, 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0)
+
+
+# -- one request -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RequestTiming:
+    """Arrival time of each output token, in seconds since the request started."""
+
+    token_times_s: tuple[float, ...]
+
+    @property
+    def ttft_ms(self) -> float:
+        return self.token_times_s[0] * 1e3
+
+    @property
+    def e2el_ms(self) -> float:
+        return self.token_times_s[-1] * 1e3
+
+    @property
+    def itl_ms(self) -> list[float]:
+        return [(b - a) * 1e3 for a, b in pairwise(self.token_times_s)]
+
+    @property
+    def tpot_ms(self) -> float:
+        n = len(self.token_times_s)
+        if n < 2:
+            raise ValueError("TPOT needs at least 2 output tokens")
+        return (self.e2el_ms - self.ttft_ms) / (n - 1)
+
+
+class _Clock:
+    """Token timestamps: CUDA events on GPU (recorded in stream order, read once at the end), else perf_counter."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        synchronize(device)
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+            self.marks: list = []
+        else:
+            self.t0 = time.perf_counter()
+            self.marks = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            synchronize(self.device)
+            self.marks.append(time.perf_counter() - self.t0)
+
+    def times_s(self) -> tuple[float, ...]:
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return tuple(self.start.elapsed_time(e) / 1e3 for e in self.marks)
+        return tuple(self.marks)
+
+
+@torch.inference_mode()
+def time_request(model: Decoder, cache: KVCache, n_tokens: int, prompt: torch.Tensor | None = None) -> RequestTiming:
+    """Time one greedy request of ``n_tokens`` output tokens.
+
+    With a ``prompt`` ``[B, T]``, the request starts with its prefill (TTFT includes it). Without one, the cache
+    is taken as already holding the context (see ``ContiguousKVCache.fast_fill``), and the first output token
+    costs one decode step.
+    """
+    if n_tokens < 1:
+        raise ValueError(f"n_tokens: {n_tokens}; allowed: an integer >= 1")
+    tokens = torch.zeros(cache.batch_size, dtype=torch.long, device=model.device)
+    clock = _Clock(model.device)
+    logits = model.prefill(prompt, cache)[:, -1] if prompt is not None else model.decode_step(tokens, cache)
+    tokens = logits.argmax(-1)
+    clock.mark()
+    for _ in range(n_tokens - 1):
+        tokens = model.decode_step(tokens, cache).argmax(-1)
+        clock.mark()
+    return RequestTiming(clock.times_s())
+
+
+# -- context sweep -----------------------------------------------------------------------------------------------
+@dataclass
+class SweepPoint:
+    """All requests measured at one context length, with vLLM-named summaries and the byte-model prediction."""
+
+    context: int
+    batch: int
+    requests: list[RequestTiming] = field(repr=False)
+    bytes_per_step: int
+    predicted_tpot_ms: float
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        out.update(summarize("ttft", [r.ttft_ms for r in self.requests]))
+        out.update(summarize("tpot", [r.tpot_ms for r in self.requests]))
+        out.update(summarize("itl", [g for r in self.requests for g in r.itl_ms]))
+        out.update(summarize("e2el", [r.e2el_ms for r in self.requests]))
+        return out
+
+    @property
+    def tpot_ms(self) -> float:
+        """The point's TPOT: the median over its requests (robust to one disturbed request)."""
+        return percentile([r.tpot_ms for r in self.requests], 50)
+
+
+@dataclass
+class Sweep:
+    """TPOT against context for one model, with the fit and the prediction from bandwidth measured in the same run."""
+
+    model: str
+    device: str
+    batch: int
+    fill: str
+    bandwidth: Bandwidth
+    kv_bytes_per_token: float
+    weight_bytes_read: int
+    points: list[SweepPoint]
+
+    @property
+    def fit(self) -> Fit:
+        """TPOT (ms) against context (tokens)."""
+        return fit_line([p.context for p in self.points], [p.tpot_ms for p in self.points])
+
+    @property
+    def predicted_slope_us_per_token(self) -> float:
+        """Extra time per extra token of context if the KV bytes streamed at the measured copy bandwidth."""
+        return predict_tpot_ms(self.batch * self.kv_bytes_per_token, self.bandwidth.copy_gbps) * 1e3
+
+    @property
+    def predicted_intercept_ms(self) -> float:
+        return predict_tpot_ms(self.weight_bytes_read, self.bandwidth.copy_gbps)
+
+    def summary(self) -> dict[str, float]:
+        """The fit next to the prediction, and the share of copy bandwidth each term reached."""
+        fit = self.fit
+        slope_us = fit.slope * 1e3
+        return {
+            "r2": fit.r2,
+            "slope_us_per_token": slope_us,
+            "intercept_ms": fit.intercept,
+            "predicted_slope_us_per_token": self.predicted_slope_us_per_token,
+            "predicted_intercept_ms": self.predicted_intercept_ms,
+            "kv_bandwidth_fraction": self.predicted_slope_us_per_token / slope_us if slope_us > 0 else float("nan"),
+            "weight_bandwidth_fraction": self.predicted_intercept_ms / fit.intercept
+            if fit.intercept > 0
+            else float("nan"),
+        }
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model,
+            "device": self.device,
+            "batch": self.batch,
+            "fill": self.fill,
+            "environment": environment(),
+            "bandwidth": asdict(self.bandwidth),
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "weight_bytes_read": self.weight_bytes_read,
+            "fit": self.summary(),
+            "points": [
+                {
+                    "context": p.context,
+                    "batch": p.batch,
+                    "n_requests": len(p.requests),
+                    "output_len": len(p.requests[0].token_times_s),
+                    "tpot_ms": p.tpot_ms,
+                    "bytes_per_step": p.bytes_per_step,
+                    "predicted_tpot_ms": p.predicted_tpot_ms,
+                    **p.metrics(),
+                }
+                for p in self.points
+            ],
+        }
+
+    def save_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+
+    def plot(self, path: str | Path | None = None, ax=None):
+        """Measured TPOT (median, with the p90 above it) against the bytes / bandwidth prediction."""
+        import matplotlib
+
+        if ax is None and path is not None:
+            matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        if ax is None:
+            _, ax = plt.subplots(figsize=(7, 4.5))
+        ctx = [p.context for p in self.points]
+        med = [p.tpot_ms for p in self.points]
+        p90 = [p.metrics()["p90_tpot_ms"] for p in self.points]
+        ax.errorbar(
+            ctx,
+            med,
+            yerr=[[0] * len(med), [b - a for a, b in zip(med, p90, strict=True)]],
+            fmt="o",
+            capsize=3,
+            label="measured TPOT (median, bar to p90)",
+        )
+        fit = self.fit
+        ax.plot(
+            ctx,
+            [fit.slope * c + fit.intercept for c in ctx],
+            "-",
+            alpha=0.6,
+            label=f"fit: {fit.slope * 1e3:.2f} µs/token, R²={fit.r2:.3f}",
+        )
+        ax.plot(
+            ctx,
+            [p.predicted_tpot_ms for p in self.points],
+            "--",
+            label=f"predicted: bytes / {self.bandwidth.copy_gbps:.0f} GB/s measured copy",
+        )
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("time per output token (ms)")
+        ax.set_title(f"{self.model}, batch {self.batch}, on {self.device}: TPOT grows with the KV cache")
+        ax.set_ylim(bottom=0)
+        ax.legend()
+        ax.grid(alpha=0.3)
+        if path is not None:
+            ax.figure.tight_layout()
+            ax.figure.savefig(path, dpi=120)
+        return ax
+
+
+def sweep_context(
+    model: Decoder,
+    contexts: Sequence[int],
+    n_tokens: int = 16,
+    n_requests: int = 3,
+    batch: int = 1,
+    fill: str = "fast",
+    warmup_steps: int = 3,
+    bandwidth: Bandwidth | None = None,
+    make_cache: Callable[[Decoder, int, int], KVCache] | None = None,
+    progress: bool = True,
+) -> Sweep:
+    """Measure TPOT at each context length, ``n_requests`` requests of ``n_tokens`` tokens each.
+
+    ``fill="fast"`` fills the cache with random K/V (a step's time depends on the bytes, not their values);
+    ``fill="prefill"`` runs a real prefill of random tokens, and TTFT then includes it. The memory bandwidth is
+    measured in the same run unless given, so the prediction and the measurement share one machine state.
+    """
+    from tqdm.auto import tqdm
+
+    if fill not in ("fast", "prefill"):
+        raise ValueError(f"fill: {fill!r}; allowed: 'fast', 'prefill'")
+    contexts = sorted(set(contexts))
+    if not contexts or contexts[0] < 1:
+        raise ValueError(f"contexts: {contexts}; allowed: one or more positive token counts")
+    if n_tokens < 2:
+        raise ValueError(f"n_tokens: {n_tokens}; allowed: an integer >= 2 (TPOT needs two tokens)")
+    make_cache = make_cache or (lambda m, b, capacity: m.new_cache(b, capacity))
+    if bandwidth is None:
+        bandwidth = measure_bandwidth(model.device)
+    gen = torch.Generator().manual_seed(0)
+    _warm_up(model, make_cache, batch, warmup_steps)
+    points, cache = [], None
+    for context in tqdm(contexts, desc="context sweep", unit="ctx", disable=not progress):
+        del cache  # the previous context's slab must go before the next one is allocated
+        cache = make_cache(model, batch, context + n_tokens)
+        requests = []
+        for _ in range(n_requests + 1):  # the first request only warms this cache's pages
+            prompt = _fill(model, cache, context, fill, gen)
+            requests.append(time_request(model, cache, n_tokens, prompt))
+        step_bytes = weight_bytes_read(model.cfg, batch=batch) + cache.bytes_read_per_step(context)
+        points.append(
+            SweepPoint(context, batch, requests[1:], step_bytes, predict_tpot_ms(step_bytes, bandwidth.copy_gbps))
+        )
+    return Sweep(
+        model=model.cfg.name,
+        device=str(model.device),
+        batch=batch,
+        fill=fill,
+        bandwidth=bandwidth,
+        kv_bytes_per_token=cache.kv_bytes_per_token,
+        weight_bytes_read=weight_bytes_read(model.cfg, batch=batch),
+        points=points,
+    )
+
+
+def _fill(model: Decoder, cache: KVCache, context: int, fill: str, gen: torch.Generator) -> torch.Tensor | None:
+    """Fill ``context - 1`` tokens so that the first output step attends over ``context``; or return a prompt."""
+    cache.reset()
+    if fill == "prefill":
+        return torch.randint(0, model.cfg.vocab_size, (cache.batch_size, context), generator=gen)
+    if context > 1:
+        cache.fast_fill(context - 1, generator=gen)
+    return None
+
+
+def _warm_up(model: Decoder, make_cache, batch: int, steps: int) -> None:
+    if steps > 0:
+        time_request(model, make_cache(model, batch, steps), steps)
+
+
+def environment() -> dict[str, str | int]:
+    """What a timing depends on, recorded next to it."""
+    env: dict[str, str | int] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+    }
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+    return env

@@ -1,0 +1,262 @@
+"""The ``kvlab`` command: predict TPOT for a model on a GPU, measure this machine, list the presets.
+
+    kvlab predict --model llama-3.1-70b --gpu h100-sxm --context 30000
+    kvlab bench --preset cpu-small --contexts 2k,8k,16k,32k --json out.json --plot out.png
+    kvlab models | kvlab gpus
+
+A bad argument prints one line naming it and the allowed values, and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from kvlab.config import ModelConfig
+from kvlab.dtypes import canonical_dtype
+from kvlab.presets import get_gpu, get_model, gpu_presets, model_presets, params_verified
+
+TOKENS_PER_K = 1024
+
+
+class UsageError(Exception):
+    """A bad command-line value; the message names the argument and what is allowed."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not argparse's usage block
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_tokens(text: str, name: str = "--context") -> int:
+    """``30000``, ``32k`` (= 32 x 1024) or ``1.5k`` -> a positive token count."""
+    raw = text.strip().lower()
+    try:
+        value = float(raw[:-1]) * TOKENS_PER_K if raw.endswith("k") else float(raw)
+    except ValueError:
+        raise UsageError(
+            f"{name}: {text!r} is not a token count; allowed: a positive integer like 30000 or 32k"
+        ) from None
+    if value != int(value) or value < 1:
+        raise UsageError(f"{name}: {text!r}; allowed: a positive whole number of tokens like 30000 or 32k")
+    return int(value)
+
+
+def _dtype(text: str, name: str) -> str:
+    try:
+        return canonical_dtype(text, name)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _positive_float(text: str, name: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise UsageError(f"{name}: {text!r}; allowed: a number > 0")
+    return value
+
+
+def _positive_int(text: str, name: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise UsageError(f"{name}: {text!r}; allowed: an integer >= 1")
+    return int(text)
+
+
+def _load_config(args: argparse.Namespace) -> ModelConfig:
+    if args.model:
+        return _usage(get_model, args.model, "--model")
+    try:
+        return ModelConfig.from_hf_config(args.config)
+    except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
+        raise UsageError(f"--config: {args.config}: {e}") from None
+
+
+def _usage(lookup, name: str, field: str):
+    try:
+        return lookup(name, field)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.2f} GB"
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    from kvlab.roofline import predict
+
+    cfg = _load_config(args)
+    context = parse_tokens(args.context)
+    batch = _positive_int(args.batch, "--batch")
+    if args.gpu:
+        gpu = _usage(get_gpu, args.gpu, "--gpu")
+        bandwidth, memory_gb, source = gpu.bandwidth_gbps, gpu.memory_gb, f"{gpu.name} datasheet"
+    else:
+        bandwidth, memory_gb, source = _positive_float(args.bandwidth, "--bandwidth"), None, "given"
+    wd = _dtype(args.weight_dtype, "--weight-dtype") if args.weight_dtype else None
+    kd = _dtype(args.kv_dtype, "--kv-dtype") if args.kv_dtype else None
+    p = predict(cfg, context, bandwidth, batch=batch, weight_dtype=wd, kv_dtype=kd)
+    memory_needed = p.weight_bytes + p.kv_bytes
+    if args.json:
+        out = p.to_dict() | {"attention": cfg.attention_kind, "memory_needed_bytes": memory_needed}
+        if memory_gb is not None:
+            out["gpu_memory_bytes"] = round(memory_gb * 1e9)
+        print(json.dumps(out, indent=2))
+        return 0
+    weights_note = "all parameters"
+    if p.weight_bytes_read != p.weight_bytes:
+        weights_note += f"; a step reads {_gb(p.weight_bytes_read)} (see kvlab.roofline)"
+    rows = [
+        ("model", f"{cfg.name} ({cfg.attention_kind}, {cfg.n_layers} layers)"),
+        ("weights", f"{_gb(p.weight_bytes)} in {p.weight_dtype} ({weights_note})"),
+        ("KV per token", f"{p.kv_bytes_per_token:,} B = {p.kv_bytes_per_token / 1024:,.1f} KiB in {p.kv_dtype}"),
+        (f"KV read, {context:,} tok x {batch}", _gb(p.kv_bytes)),
+        ("bytes per step", _gb(p.bytes_per_step)),
+        ("bandwidth", f"{bandwidth:,.0f} GB/s ({source})"),
+        ("TPOT", f"{p.tpot_ms:,.2f} ms (weights alone {p.tpot_ms_weights_only:,.2f} ms)"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    if memory_gb is not None and memory_needed > memory_gb * 1e9:
+        print(f"note: weights + KV need {_gb(memory_needed)}, more than one {gpu.name}'s {memory_gb:g} GB")
+    if args.model and not params_verified(cfg.name):
+        print(f"note: {cfg.name}'s parameter count is not verified; weights are counted from its shape")
+    if cfg.layer_windows and any(w is not None for w in cfg.layer_windows):
+        print("note: local (sliding-window) layers read at most their window; KV read accounts for that")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvlab.bench import sweep_context
+    from kvlab.model import Decoder
+
+    contexts = [parse_tokens(c, "--contexts") for c in args.contexts.split(",") if c.strip()]
+    cfg = _usage(get_model, args.preset, "--preset")
+    if not cfg.runnable:
+        raise UsageError(f"--preset: {cfg.name} cannot run yet: {cfg.not_runnable_reason}")
+    if args.fill not in ("fast", "prefill"):
+        raise UsageError(f"--fill: {args.fill!r}; allowed: fast, prefill")
+    if args.threads:
+        torch.set_num_threads(_positive_int(args.threads, "--threads"))
+    batch = _positive_int(args.batch, "--batch")
+    capacity = max(contexts) + 64
+    if capacity > cfg.max_seq_len:
+        cfg = cfg.replace(max_seq_len=capacity)
+    try:
+        model = Decoder(cfg, device=args.device)
+    except RuntimeError as e:
+        raise UsageError(f"--device: {e}") from None
+    sweep = sweep_context(
+        model,
+        contexts,
+        n_tokens=_positive_int(args.tokens, "--tokens"),
+        n_requests=_positive_int(args.requests, "--requests"),
+        batch=batch,
+        fill=args.fill,
+    )
+    bw = sweep.bandwidth
+    print(
+        f"{cfg.name} on {sweep.device}, batch {batch}, {torch.get_num_threads()} threads; "
+        f"measured copy {bw.copy_gbps:.1f} GB/s, read {bw.read_gbps:.1f} GB/s"
+    )
+    print(f"{'context':>8}  {'TPOT ms':>8}  {'p99 ms':>8}  {'predicted ms':>12}")
+    for p in sweep.points:
+        print(f"{p.context:>8}  {p.tpot_ms:>8.2f}  {p.metrics()['p99_tpot_ms']:>8.2f}  {p.predicted_tpot_ms:>12.2f}")
+    s = sweep.summary()
+    if len(sweep.points) >= 2:
+        print(
+            f"fit: {s['slope_us_per_token']:.3f} us/token (predicted {s['predicted_slope_us_per_token']:.3f}), "
+            f"intercept {s['intercept_ms']:.2f} ms (predicted {s['predicted_intercept_ms']:.2f}), R^2 {s['r2']:.4f}"
+        )
+        print(
+            f"share of copy bandwidth: KV term {s['kv_bandwidth_fraction']:.0%}, "
+            f"weight term {s['weight_bandwidth_fraction']:.0%}"
+        )
+    if args.json:
+        sweep.save_json(args.json)
+    if args.plot:
+        sweep.plot(args.plot)
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from kvlab.roofline import kv_bytes_per_token, param_count
+
+    print(
+        f"{'name':<16} {'attention':<9} {'layers':>6} {'d_model':>7} {'heads':>5} {'kv':>4} {'params':>9} "
+        f"{'KV/token bf16':>14}  runnable"
+    )
+    for name, c in model_presets().items():
+        kv = "-" if c.mla else c.n_kv_heads
+        print(
+            f"{name:<16} {c.attention_kind:<9} {c.n_layers:>6} {c.d_model:>7} {c.n_heads:>5} {kv:>4} "
+            f"{param_count(c) / 1e9:>8.2f}B {kv_bytes_per_token(c, 'bf16') / 1024:>10.1f} KiB  "
+            f"{'yes' if c.runnable else 'no: ' + c.not_runnable_reason}"
+        )
+    return 0
+
+
+def cmd_gpus(args: argparse.Namespace) -> int:
+    print(f"{'name':<16} {'memory':>8} {'bandwidth':>11} {'bf16 dense':>12}")
+    for g in gpu_presets().values():
+        tflops = "n/a" if g.bf16_tflops is None else f"{g.bf16_tflops:g} TF/s"
+        print(f"{g.name:<16} {g.memory_gb:>5g} GB {g.bandwidth_gbps:>6,.0f} GB/s {tflops:>12}")
+    print(f"source: {next(iter(gpu_presets().values())).source}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kvlab", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("predict", help="bytes per decode step and predicted TPOT")
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", help="a preset name (kvlab models)")
+    model.add_argument("--config", help="a Hugging Face config.json (Llama-style keys)")
+    bw = p.add_mutually_exclusive_group(required=True)
+    bw.add_argument("--gpu", help="a GPU preset (kvlab gpus)")
+    bw.add_argument("--bandwidth", help="memory bandwidth in GB/s")
+    p.add_argument("--context", required=True, help="tokens each sequence attends over, e.g. 30000 or 32k")
+    p.add_argument("--batch", default="1", help="sequences decoded together (default 1)")
+    p.add_argument("--weight-dtype", help="fp32, fp16, bf16, fp8, int8, int4 (default: the model's)")
+    p.add_argument("--kv-dtype", help="fp32, fp16, bf16, fp8, int8, int4 (default: the model's)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_predict)
+
+    b = sub.add_parser("bench", help="measure TPOT against context on this machine")
+    b.add_argument("--preset", default="cpu-small", help="a runnable preset (default cpu-small)")
+    b.add_argument("--contexts", default="1k,4k,8k,16k", help="comma-separated, e.g. 2k,8k,16k,32k")
+    b.add_argument("--batch", default="1")
+    b.add_argument("--tokens", default="16", help="output tokens per request (default 16)")
+    b.add_argument("--requests", default="3", help="requests per context (default 3)")
+    b.add_argument("--fill", default="fast", help="fast (random K/V) or prefill (default fast)")
+    b.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if present)")
+    b.add_argument("--threads", default=None, help="torch CPU threads (default: torch's choice)")
+    b.add_argument("--json", help="write the results as JSON here")
+    b.add_argument("--plot", help="write a measured-vs-predicted plot here (PNG)")
+    b.set_defaults(func=cmd_bench)
+
+    sub.add_parser("models", help="list model presets").set_defaults(func=cmd_models)
+    sub.add_parser("gpus", help="list GPU presets").set_defaults(func=cmd_gpus)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except UsageError as e:
+        parser.exit(2, f"kvlab {args.command}: error: {e}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
