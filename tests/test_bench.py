@@ -1,0 +1,77 @@
+import json
+
+import numpy as np
+import pytest
+
+from kvlab import Decoder
+from kvlab.bench import RequestTiming, fit_line, percentile, summarize, sweep_context
+
+from .helpers import tiny_config
+
+
+def test_percentile_matches_numpy_linear_interpolation():
+    rng = np.random.default_rng(0)
+    values = list(rng.exponential(size=37))
+    for p in (0, 13, 50, 90, 99, 100):
+        assert percentile(values, p) == pytest.approx(np.percentile(values, p), rel=1e-12)
+    with pytest.raises(ValueError, match="p: 101"):
+        percentile(values, 101)
+    with pytest.raises(ValueError, match="empty"):
+        percentile([], 50)
+
+
+def test_vllm_metric_definitions_on_known_timestamps():
+    r = RequestTiming((0.100, 0.110, 0.125, 0.130))  # seconds since the request started
+    assert r.ttft_ms == pytest.approx(100)
+    assert r.e2el_ms == pytest.approx(130)
+    assert r.itl_ms == pytest.approx([10, 15, 5])
+    assert r.tpot_ms == pytest.approx((130 - 100) / 3)
+    assert summarize("itl", r.itl_ms) == pytest.approx(
+        {"mean_itl_ms": 10, "median_itl_ms": 10, "p90_itl_ms": 14, "p99_itl_ms": 14.9}
+    )
+    with pytest.raises(ValueError, match="2 output tokens"):
+        _ = RequestTiming((0.1,)).tpot_ms
+
+
+def test_fit_line_recovers_a_known_line_and_reports_r2():
+    x = [1, 2, 3, 4, 5]
+    fit = fit_line(x, [2 * v + 1 for v in x])
+    assert (fit.slope, fit.intercept, fit.r2) == pytest.approx((2, 1, 1))
+    noisy = fit_line(x, [3.0, 4.8, 7.2, 9.0, 11.1])
+    ref_slope, ref_intercept = np.polyfit(x, [3.0, 4.8, 7.2, 9.0, 11.1], 1)
+    assert (noisy.slope, noisy.intercept) == pytest.approx((ref_slope, ref_intercept))
+    assert 0.99 < noisy.r2 < 1
+    with pytest.raises(ValueError, match="distinct"):
+        fit_line([1, 1], [2, 3])
+
+
+@pytest.mark.parametrize("fill", ["fast", "prefill"])
+def test_sweep_writes_vllm_named_json_and_a_plot(tmp_path, fill):
+    model = Decoder(tiny_config(max_seq_len=512), device="cpu")
+    sweep = sweep_context(model, [64, 16, 128], n_tokens=4, n_requests=2, fill=fill, progress=False)
+    assert [p.context for p in sweep.points] == [16, 64, 128]
+    sweep.save_json(tmp_path / "out.json")
+    data = json.loads((tmp_path / "out.json").read_text())
+    point = data["points"][0]
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "p99"):
+            assert f"{stat}_{metric}_ms" in point
+    assert point["n_requests"] == 2 and point["output_len"] == 4
+    fit = data["fit"]
+    assert {"r2", "slope_us_per_token", "predicted_slope_us_per_token", "kv_bandwidth_fraction"} <= fit.keys()
+    per_token = 2 * 2 * 2 * 16 * 4  # K+V, layers, KV heads, head dim, fp32
+    assert data["kv_bytes_per_token"] == per_token
+    assert fit["predicted_slope_us_per_token"] == pytest.approx(per_token / (sweep.bandwidth.copy_gbps * 1e9) * 1e6)
+    assert data["points"][2]["bytes_per_step"] - data["points"][0]["bytes_per_step"] == (128 - 16) * per_token
+    sweep.plot(tmp_path / "out.png")
+    assert (tmp_path / "out.png").stat().st_size > 10_000
+
+
+def test_sweep_rejects_bad_arguments():
+    model = Decoder(tiny_config(), device="cpu")
+    with pytest.raises(ValueError, match="fill"):
+        sweep_context(model, [8], fill="slow")
+    with pytest.raises(ValueError, match="n_tokens"):
+        sweep_context(model, [8], n_tokens=1)
+    with pytest.raises(ValueError, match="contexts"):
+        sweep_context(model, [0, 8])

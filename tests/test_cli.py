@@ -1,0 +1,134 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvlab.cli import main, parse_tokens
+
+
+def run(capsys, *argv):
+    try:
+        code = main(list(argv))
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_predict_reproduces_the_worked_example(capsys):
+    code, out, _ = run(capsys, "predict", "--model", "llama-3.1-70b", "--gpu", "h100-sxm", "--context", "30000")
+    assert code == 0
+    assert "327,680 B" in out and "9.83 GB" in out and "141.11 GB" in out and "45.06 ms" in out
+    assert "more than one h100-sxm's 80 GB" in out
+
+
+def test_predict_json_fields(capsys):
+    code, out, _ = run(
+        capsys,
+        "predict",
+        "--model",
+        "llama-3.1-8b",
+        "--bandwidth",
+        "1000",
+        "--context",
+        "8k",
+        "--batch",
+        "4",
+        "--kv-dtype",
+        "float8",
+        "--weight-dtype",
+        "bfloat16",
+        "--json",
+    )
+    data = json.loads(out)
+    assert code == 0
+    assert data["kv_bytes_per_token"] == 2 * 32 * 8 * 128
+    assert data["kv_bytes"] == 4 * 8192 * data["kv_bytes_per_token"]
+    assert data["bytes_per_step"] == data["weight_bytes"] + data["kv_bytes"]
+    assert data["tpot_ms"] == pytest.approx(data["bytes_per_step"] / 1e12 * 1e3)
+    assert (data["kv_dtype"], data["weight_dtype"]) == ("fp8", "bf16")
+
+
+def test_predict_reads_a_hugging_face_config(tmp_path, capsys):
+    from kvlab import get_model
+
+    (tmp_path / "config.json").write_text(json.dumps(get_model("llama-3.1-70b").to_hf_config()))
+    code, out, _ = run(
+        capsys,
+        "predict",
+        "--config",
+        str(tmp_path / "config.json"),
+        "--gpu",
+        "h100-sxm",
+        "--context",
+        "30000",
+        "--json",
+    )
+    assert code == 0 and round(json.loads(out)["tpot_ms"], 1) == 45.1
+
+
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["predict", "--model", "llama-9", "--gpu", "h100-sxm", "--context", "1"], ["--model", "llama-3.1-8b"]),
+        (["predict", "--model", "llama-3.1-8b", "--gpu", "h100", "--context", "1"], ["--gpu", "h100-sxm"]),
+        (["predict", "--model", "llama-3.1-8b", "--bandwidth", "-3", "--context", "1"], ["--bandwidth", "> 0"]),
+        (["predict", "--model", "llama-3.1-8b", "--bandwidth", "9", "--context", "lots"], ["--context", "32k"]),
+        (
+            ["predict", "--model", "llama-3.1-8b", "--bandwidth", "9", "--context", "9", "--kv-dtype", "fp7"],
+            ["--kv-dtype", "int4"],
+        ),
+        (["predict", "--model", "llama-3.1-8b", "--bandwidth", "9", "--context", "9", "--batch", "0"], ["--batch"]),
+        (["predict", "--config", "/no/such/config.json", "--bandwidth", "9", "--context", "9"], ["--config"]),
+        (["predict", "--model", "llama-3.1-8b", "--context", "9"], ["--gpu", "--bandwidth"]),
+        (["bench", "--preset", "deepseek-v3"], ["--preset", "MLA"]),
+        (["bench", "--fill", "slow"], ["--fill", "prefill"]),
+        (["frobnicate"], ["predict", "bench"]),
+    ],
+)
+def test_bad_arguments_give_one_line_naming_them_and_exit_2(capsys, argv, names):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert err.count("\n") == 1, err
+    for name in names:
+        assert name in err
+
+
+def test_token_counts_accept_k_suffix():
+    assert parse_tokens("32k") == 32768 and parse_tokens("1.5k") == 1536 and parse_tokens("30000") == 30000
+
+
+def test_models_and_gpus_list_the_presets(capsys):
+    _, out, _ = run(capsys, "models")
+    assert "llama-3.1-70b" in out and "deepseek-v3" in out and "no: MLA" in out
+    _, out, _ = run(capsys, "gpus")
+    assert "h200-sxm" in out and "4,800 GB/s" in out
+
+
+def test_bench_writes_json_and_plot(tmp_path):
+    """Runs the installed entry point, as a learner would."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvlab.cli",
+        "bench",
+        "--preset",
+        "cpu-tiny",
+        "--contexts",
+        "128,256,512",
+        "--tokens",
+        "3",
+        "--requests",
+        "1",
+        "--json",
+        str(tmp_path / "b.json"),
+        "--plot",
+        str(tmp_path / "b.png"),
+    ]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert [p["context"] for p in data["points"]] == [128, 256, 512]
+    assert {"r2", "slope_us_per_token", "predicted_slope_us_per_token"} <= data["fit"].keys()
+    assert "fit:" in result.stdout and (tmp_path / "b.png").exists()

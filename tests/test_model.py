@@ -1,0 +1,169 @@
+import pytest
+import torch
+from torch.testing import assert_close
+
+from kvlab import CacheCapacityError, ContiguousKVCache, Decoder
+
+from .helpers import tiny_config
+
+
+def _incremental_logits(model: Decoder, tokens: torch.Tensor, prefill: int) -> torch.Tensor:
+    cache = model.new_cache(tokens.shape[0], capacity=tokens.shape[1])
+    steps = [model.prefill(tokens[:, :prefill], cache)]
+    steps += [model.decode_step(tokens[:, t], cache)[:, None] for t in range(prefill, tokens.shape[1])]
+    return torch.cat(steps, dim=1)
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 2, 1], ids=["MHA", "GQA", "MQA"])
+@pytest.mark.parametrize("prefill", [1, 7])
+def test_decoding_one_token_at_a_time_matches_one_full_forward(n_kv_heads, prefill):
+    model = Decoder(tiny_config(n_kv_heads=n_kv_heads), device="cpu")
+    tokens = torch.randint(0, 101, (3, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(tokens)
+    assert full.shape == (3, 40, 101)
+    assert_close(_incremental_logits(model, tokens, prefill), full, rtol=0, atol=1e-5)
+
+
+def test_chunked_prefill_matches_full_forward():
+    model = Decoder(tiny_config(), device="cpu")
+    tokens = torch.randint(0, 101, (2, 30), generator=torch.Generator().manual_seed(2))
+    cache = model.new_cache(2, 30)
+    chunks = [model.prefill(tokens[:, a:b], cache) for a, b in ((0, 11), (11, 12), (12, 30))]
+    with torch.no_grad():
+        assert_close(torch.cat(chunks, dim=1), model(tokens), rtol=0, atol=1e-5)
+
+
+def test_gqa_with_as_many_kv_heads_as_heads_is_mha():
+    """A GQA model equals the MHA model whose K/V projections repeat each KV head for its query group."""
+    gqa = Decoder(tiny_config(n_kv_heads=2), device="cpu", seed=3)
+    mha = Decoder(tiny_config(n_kv_heads=4), device="cpu", seed=4)
+    cfg, hd = gqa.cfg, gqa.cfg.head_dim
+    state = gqa.state_dict()
+    for i in range(cfg.n_layers):
+        w = state[f"layers.{i}.attn.wqkv"]
+        q, k, v = w.split([cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd], dim=1)
+        repeat = [
+            t.view(cfg.d_model, cfg.n_kv_heads, 1, hd).expand(-1, -1, cfg.n_groups, -1).reshape(cfg.d_model, -1)
+            for t in (k, v)
+        ]
+        state[f"layers.{i}.attn.wqkv"] = torch.cat([q, *repeat], dim=1)
+    mha.load_state_dict(state)
+    tokens = torch.randint(0, 101, (2, 25), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert_close(mha(tokens), gqa(tokens), rtol=0, atol=1e-5)
+    assert_close(_incremental_logits(mha, tokens, 5), _incremental_logits(gqa, tokens, 5), rtol=0, atol=1e-5)
+
+
+def test_grouped_decode_kernel_matches_a_naive_per_head_reference():
+    from kvlab.kernels import decode_attention
+
+    g = torch.Generator().manual_seed(6)
+    b, hkv, groups, d, s = 2, 3, 4, 16, 50
+    q, k, v = (
+        torch.randn(b, hkv, groups, d, generator=g),
+        torch.randn(b, hkv, s, d, generator=g),
+        torch.randn(b, hkv, s, d, generator=g),
+    )
+    out = decode_attention(q, k.transpose(-1, -2).contiguous(), v)
+    for h in range(hkv * groups):
+        kv = h // groups
+        weights = torch.softmax(torch.einsum("bd,bsd->bs", q[:, kv, h % groups], k[:, kv]), dim=-1)
+        assert_close(out[:, kv, h % groups], torch.einsum("bs,bsd->bd", weights, v[:, kv]), rtol=1e-5, atol=1e-6)
+
+
+def test_going_past_capacity_raises_and_leaves_the_cache_unchanged():
+    model = Decoder(tiny_config(), device="cpu")
+    cache = model.new_cache(1, capacity=8)
+    model.prefill(torch.zeros(1, 6, dtype=torch.long), cache)
+    with pytest.raises(CacheCapacityError, match="6 tokens stored, 3 more requested, capacity 8"):
+        model.prefill(torch.zeros(1, 3, dtype=torch.long), cache)
+    assert cache.length == 6
+    model.decode_step(torch.zeros(1, dtype=torch.long), cache)
+    assert cache.length == 7
+
+
+def test_cache_reports_its_bytes():
+    cache = ContiguousKVCache(n_layers=3, batch_size=2, capacity=10, n_kv_heads=2, head_dim=8, dtype="bf16")
+    per_token = 2 * 3 * 2 * 8 * 2  # K and V, layers, KV heads, head dim, bytes
+    assert cache.kv_bytes_per_token == per_token
+    cache.fast_fill(4)
+    assert cache.length == 4
+    assert cache.bytes_stored() == 2 * 4 * per_token
+    assert cache.bytes_allocated() == 2 * 10 * per_token
+    assert cache.bytes_read_per_step() == 2 * 4 * per_token
+    assert cache.bytes_read_per_step(context=9) == 2 * 9 * per_token
+    assert cache.bytes_written_per_step() == 2 * per_token
+    k, v = cache.read(1)
+    assert k.shape == v.shape == (2, 2, 4, 8)
+
+
+def test_generate_greedy_equals_argmax_of_the_full_forward():
+    model = Decoder(tiny_config(), device="cpu")
+    prompt = torch.randint(0, 101, (2, 6), generator=torch.Generator().manual_seed(7))
+    new = model.generate(prompt, max_new_tokens=10)
+    assert new.shape == (2, 10)
+    seq = torch.cat([prompt, new], dim=1)
+    with torch.no_grad():
+        assert torch.equal(model(seq)[:, 5:-1].argmax(-1), new)
+    assert model.generate(prompt[0].tolist(), 4).shape == (4,)
+    assert model.generate(prompt, 0).shape == (2, 0)
+
+
+def test_sampling_is_reproducible_with_a_seed_and_top_k_1_is_greedy():
+    model = Decoder(tiny_config(), device="cpu")
+    prompt = torch.randint(0, 101, (1, 5), generator=torch.Generator().manual_seed(8))
+    a = model.generate(prompt, 12, temperature=1.0, top_p=0.9, seed=11)
+    assert torch.equal(a, model.generate(prompt, 12, temperature=1.0, top_p=0.9, seed=11))
+    assert not torch.equal(a, model.generate(prompt, 12, temperature=1.0, top_p=0.9, seed=12))
+    assert torch.equal(model.generate(prompt, 8, temperature=0.7, top_k=1, seed=1), model.generate(prompt, 8))
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    from kvlab.sampling import sample_next
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    g = torch.Generator().manual_seed(0)
+    seen = {int(sample_next(logits, 1.0, top_p=0.75, generator=g)) for _ in range(300)}
+    assert seen == {0, 1}
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda m: m.generate([1, 2], 3, temperature=-1.0), "temperature"),
+        (lambda m: m.generate([1, 2], 3, temperature=1.0, top_k=0), "top_k"),
+        (lambda m: m.generate([1, 2], 3, temperature=1.0, top_p=1.5), "top_p"),
+        (lambda m: m.generate([1, 500], 3), "vocab_size=101"),
+        (lambda m: m.generate([], 3), "prompt"),
+        (lambda m: m(torch.zeros(1, 200, dtype=torch.long)), "max_seq_len=128"),
+        (lambda m: m.decode_step(torch.zeros(1, 2, dtype=torch.long), m.new_cache(1, 4)), "one token"),
+    ],
+)
+def test_bad_inputs_raise_clear_errors(call, match):
+    model = Decoder(tiny_config(), device="cpu")
+    with pytest.raises(ValueError, match=match):
+        call(model)
+
+
+def test_device_is_picked_automatically_and_can_be_overridden():
+    from kvlab import default_device
+
+    assert Decoder(tiny_config()).device.type == default_device().type
+    assert Decoder(tiny_config(), device="cpu").device.type == "cpu"
+
+
+def test_unrunnable_shapes_are_refused_with_the_reason():
+    from kvlab import get_model
+
+    with pytest.raises(ValueError, match="deepseek-v3: MLA"):
+        Decoder(get_model("deepseek-v3"))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_half_precision_models_decode_close_to_fp32(dtype):
+    ref = Decoder(tiny_config(), device="cpu", seed=9)
+    half = Decoder(tiny_config(dtype=dtype), device="cpu", seed=9)
+    tokens = torch.randint(0, 101, (1, 20), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        assert_close(_incremental_logits(half, tokens, 4).float(), ref(tokens), rtol=0, atol=0.05)
