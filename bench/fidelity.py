@@ -1,0 +1,150 @@
+"""How closely does measured TPOT follow bytes / bandwidth on this machine, and how does kvlab compare to its peer?
+
+    python bench/fidelity.py                 # cpu-small, contexts 2k..32k, plus the transformers comparison
+    python bench/fidelity.py --quick         # small sizes, a smoke run
+    python bench/fidelity.py --json out.json --plot out.png
+
+Prints three things, each measured in this one process:
+1. the machine's copy and read bandwidth;
+2. TPOT against context: the line fit (R^2), and the share of the measured copy bandwidth that the weight term
+   (intercept) and the KV term (slope) each reach;
+3. kvlab's decode step against Hugging Face transformers' at the same weights and context, with transformers'
+   preallocated ``StaticCache`` and its default ``DynamicCache``, alternating step by step so that both see the
+   same machine state.
+
+A benchmark, not a test: timings on a shared machine vary. Run it on an idle one and report what it prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import warnings
+
+import torch
+
+from kvlab import Decoder, get_model
+from kvlab.bench import environment, sweep_context
+from kvlab.cli import parse_tokens
+from kvlab.roofline import measure_bandwidth
+
+
+def compare_with_transformers(model: Decoder, context: int, steps: int) -> dict[str, float]:
+    """Median ms per decode step at ``context`` for kvlab, HF StaticCache and HF DynamicCache, interleaved."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import DynamicCache, StaticCache
+
+    # transformers 5.x renames past_key_values; the old name still works and is what 4.x understands.
+    warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
+
+    from kvlab.hf import to_hf
+
+    hf = to_hf(model)
+    prompt = torch.randint(0, model.cfg.vocab_size, (1, context - 1), generator=torch.Generator().manual_seed(0))
+    total = context + steps + 2
+    ours = model.new_cache(1, total)
+    static = StaticCache(config=hf.config, max_cache_len=total)
+    dynamic = DynamicCache(config=hf.config)
+    with torch.inference_mode():
+        model.prefill(prompt, ours)
+        for cache in (static, dynamic):
+            hf(input_ids=prompt, past_key_values=cache, use_cache=True, cache_position=torch.arange(context - 1))
+
+        def kvlab_step(i: int) -> None:
+            model.decode_step(torch.zeros(1, dtype=torch.long), ours)
+
+        def hf_step(cache):
+            def step(i: int) -> None:
+                pos = torch.tensor([context - 1 + i])
+                hf(
+                    input_ids=torch.zeros(1, 1, dtype=torch.long),
+                    past_key_values=cache,
+                    use_cache=True,
+                    cache_position=pos,
+                )
+
+            return step
+
+        runners = {"kvlab": kvlab_step, "hf_static": hf_step(static), "hf_dynamic": hf_step(dynamic)}
+        times: dict[str, list[float]] = {name: [] for name in runners}
+        for i in range(steps + 2):  # the first two rounds warm up
+            for name, step in runners.items():
+                t0 = time.perf_counter()
+                step(i)
+                if i >= 2:
+                    times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="cpu-small")
+    parser.add_argument("--contexts", default="2k,4k,8k,12k,16k,24k,32k")
+    parser.add_argument("--peer-contexts", default="8k,32k", help="contexts for the transformers comparison")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=3)
+    parser.add_argument("--peer-steps", type=int, default=10)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--quick", action="store_true", help="cpu-tiny, short contexts")
+    parser.add_argument("--json")
+    parser.add_argument("--plot")
+    args = parser.parse_args()
+    if args.quick:
+        args.preset, args.contexts, args.peer_contexts, args.peer_steps = "cpu-tiny", "256,512,1k,2k", "1k", 4
+
+    contexts = [parse_tokens(c) for c in args.contexts.split(",")]
+    peer_contexts = [parse_tokens(c) for c in args.peer_contexts.split(",") if c]
+    cfg = get_model(args.preset)
+    cfg = cfg.replace(max_seq_len=max(cfg.max_seq_len, max(contexts + peer_contexts) + 64))
+    model = Decoder(cfg, device=args.device)
+    print("environment:", json.dumps(environment()))
+
+    bw = measure_bandwidth(model.device, size_mb=64 if args.quick else 512)
+    print(
+        f"bandwidth: copy {bw.copy_gbps:.1f} GB/s (best {bw.copy_best_gbps:.1f}), "
+        f"read {bw.read_gbps:.1f} GB/s (best {bw.read_best_gbps:.1f}), {bw.size_mb:.0f} MB buffers"
+    )
+
+    sweep = sweep_context(
+        model, contexts, n_tokens=args.tokens, n_requests=args.requests, batch=args.batch, bandwidth=bw
+    )
+    print(f"\n{cfg.name}, batch {args.batch}: TPOT against context (median of {args.requests} requests)")
+    print(f"{'context':>8} {'TPOT ms':>9} {'p99 ms':>8} {'predicted':>10} {'ratio':>6}")
+    for p in sweep.points:
+        m = p.metrics()
+        print(
+            f"{p.context:>8} {p.tpot_ms:>9.2f} {m['p99_tpot_ms']:>8.2f} {p.predicted_tpot_ms:>10.2f} "
+            f"{p.predicted_tpot_ms / p.tpot_ms:>6.2f}"
+        )
+    s = sweep.summary()
+    print(
+        f"fit: slope {s['slope_us_per_token']:.3f} us/token (predicted {s['predicted_slope_us_per_token']:.3f}), "
+        f"intercept {s['intercept_ms']:.2f} ms (predicted {s['predicted_intercept_ms']:.2f}), R^2 = {s['r2']:.4f}"
+    )
+    print(
+        f"share of copy bandwidth reached: weight term {s['weight_bandwidth_fraction']:.0%}, "
+        f"KV term {s['kv_bandwidth_fraction']:.0%}"
+    )
+
+    peer = {}
+    if peer_contexts:
+        print(f"\nkvlab vs transformers at the same weights, interleaved, median of {args.peer_steps} steps (ms)")
+        print(f"{'context':>8} {'kvlab':>8} {'HF static':>10} {'HF dynamic':>11}")
+        for context in peer_contexts:
+            peer[context] = compare_with_transformers(model, context, args.peer_steps)
+            r = peer[context]
+            print(f"{context:>8} {r['kvlab']:>8.2f} {r['hf_static']:>10.2f} {r['hf_dynamic']:>11.2f}")
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(sweep.to_dict() | {"transformers": peer}, f, indent=2)
+    if args.plot:
+        sweep.plot(args.plot)
+
+
+if __name__ == "__main__":
+    main()
