@@ -67,6 +67,12 @@ def _positive_int(text: str, name: str) -> int:
     return int(text)
 
 
+def _count(text: str, name: str) -> int:
+    if not text.isdigit():
+        raise UsageError(f"{name}: {text!r}; allowed: an integer >= 0")
+    return int(text)
+
+
 def _load_config(args: argparse.Namespace) -> ModelConfig:
     if args.model:
         return _usage(get_model, args.model, "--model")
@@ -87,6 +93,15 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:,.2f} GB"
 
 
+def _policy_note(p) -> str:
+    notes = []
+    if p.window is not None:
+        notes.append(f"{p.sinks} sinks + {p.window:,} window")
+    if p.shared_prefix:
+        notes.append(f"{p.shared_prefix:,}-token prefix read once per batch")
+    return f" ({'; '.join(notes)})" if notes else ""
+
+
 def cmd_predict(args: argparse.Namespace) -> int:
     from kvlab.roofline import predict
 
@@ -100,7 +115,14 @@ def cmd_predict(args: argparse.Namespace) -> int:
         bandwidth, memory_gb, source = _positive_float(args.bandwidth, "--bandwidth"), None, "given"
     wd = _dtype(args.weight_dtype, "--weight-dtype") if args.weight_dtype else None
     kd = _dtype(args.kv_dtype, "--kv-dtype") if args.kv_dtype else None
-    p = predict(cfg, context, bandwidth, batch=batch, weight_dtype=wd, kv_dtype=kd)
+    window = parse_tokens(args.window, "--window") if args.window else None
+    sinks = _count(args.sinks, "--sinks")
+    shared = parse_tokens(args.shared_prefix, "--shared-prefix") if args.shared_prefix else 0
+    if sinks and window is None:
+        raise UsageError("--sinks: needs --window; allowed: --window W --sinks S (a step reads S + W tokens)")
+    if shared > context:
+        raise UsageError(f"--shared-prefix: {shared} tokens; allowed: at most --context ({context})")
+    p = predict(cfg, context, bandwidth, batch, wd, kd, window=window, sinks=sinks, shared_prefix=shared)
     memory_needed = p.weight_bytes + p.kv_bytes
     if args.json:
         out = p.to_dict() | {"attention": cfg.attention_kind, "memory_needed_bytes": memory_needed}
@@ -115,7 +137,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         ("model", f"{cfg.name} ({cfg.attention_kind}, {cfg.n_layers} layers)"),
         ("weights", f"{_gb(p.weight_bytes)} in {p.weight_dtype} ({weights_note})"),
         ("KV per token", f"{p.kv_bytes_per_token:,} B = {p.kv_bytes_per_token / 1024:,.1f} KiB in {p.kv_dtype}"),
-        (f"KV read, {context:,} tok x {batch}", _gb(p.kv_bytes)),
+        (f"KV read, {context:,} tok x {batch}", _gb(p.kv_bytes) + _policy_note(p)),
         ("bytes per step", _gb(p.bytes_per_step)),
         ("bandwidth", f"{bandwidth:,.0f} GB/s ({source})"),
         ("TPOT", f"{p.tpot_ms:,.2f} ms (weights alone {p.tpot_ms_weights_only:,.2f} ms)"),
@@ -228,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", default="1", help="sequences decoded together (default 1)")
     p.add_argument("--weight-dtype", help="fp32, fp16, bf16, fp8, int8, int4 (default: the model's)")
     p.add_argument("--kv-dtype", help="fp32, fp16, bf16, fp8, int8, int4 (default: the model's)")
+    p.add_argument("--window", help="keep only the W most recent tokens (plus --sinks); a step reads S + W")
+    p.add_argument("--sinks", default="0", help="first tokens kept with --window (StreamingLLM's 4)")
+    p.add_argument("--shared-prefix", help="tokens shared by the whole batch and read once per step")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_predict)
 

@@ -83,18 +83,72 @@ def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str | None = None) -> int:
     return round(cfg.n_layers * kv_elements_per_token_per_layer(cfg) * size)
 
 
-def kv_tokens_read(cfg: ModelConfig, context: int) -> int:
-    """Token-layers one step reads at ``context`` tokens: a local layer reads at most its window."""
+@dataclass(frozen=True)
+class TokensRead:
+    """Token-layers one decode step reads: ``shared`` once for the whole batch, ``per_sequence`` for each sequence."""
+
+    shared: int
+    per_sequence: int
+
+
+def kv_tokens_read(
+    cfg: ModelConfig, context: int, window: int | None = None, sinks: int = 0, shared_prefix: int = 0
+) -> TokensRead:
+    """Which cached tokens each layer reads at ``context`` tokens, summed over layers.
+
+    - A local layer of the model (``cfg.layer_windows``) reads at most its own window.
+    - A ``window`` + ``sinks`` policy keeps the first ``sinks`` tokens and the ``window`` most recent ones.
+    - The first ``shared_prefix`` tokens are shared by every sequence in the batch; a shared-prefix (cascade)
+      kernel reads the ones a layer keeps once per step, not once per sequence.
+    """
     _check_positive("context", context, allow_zero=True)
-    windows = cfg.layer_windows or (None,) * cfg.n_layers
-    return sum(context if w is None else min(context, w) for w in windows)
+    if window is not None:
+        _check_positive("window", window)
+    _check_positive("sinks", sinks, allow_zero=True)
+    _check_positive("shared_prefix", shared_prefix, allow_zero=True)
+    if sinks and window is None:
+        raise ValueError("sinks: only meaningful with a window; allowed: give window too, or sinks=0")
+    if shared_prefix > context:
+        raise ValueError(f"shared_prefix: {shared_prefix}; allowed: at most the context ({context})")
+    shared = per_sequence = 0
+    for layer_window in cfg.layer_windows or (None,) * cfg.n_layers:
+        for start, end in _kept_intervals(context, layer_window, window, sinks):
+            in_prefix = max(0, min(end, shared_prefix) - start)
+            shared += in_prefix
+            per_sequence += end - start - in_prefix
+    return TokensRead(shared, per_sequence)
 
 
-def kv_bytes_per_step(cfg: ModelConfig, context: int, batch: int = 1, kv_dtype: str | None = None) -> int:
-    """KV bytes one decode step reads for the whole batch, each sequence attending over ``context`` tokens."""
+def _kept_intervals(context: int, layer_window: int | None, window: int | None, sinks: int) -> list[tuple[int, int]]:
+    """Half-open position ranges one layer keeps: sinks and recent window, clipped to the layer's own window."""
+    if window is None:
+        kept = [(0, context)]
+    else:
+        head = min(sinks, context)
+        kept = [(0, head), (max(head, context - window), context)]
+    if layer_window is not None:
+        kept = [(max(start, context - layer_window), end) for start, end in kept]
+    return [(start, end) for start, end in kept if end > start]
+
+
+def kv_bytes_per_step(
+    cfg: ModelConfig,
+    context: int,
+    batch: int = 1,
+    kv_dtype: str | None = None,
+    window: int | None = None,
+    sinks: int = 0,
+    shared_prefix: int = 0,
+) -> int:
+    """KV bytes one decode step reads for the whole batch, each sequence attending over ``context`` tokens.
+
+    Honours the model's local layers, a ``window`` + ``sinks`` policy, and a ``shared_prefix`` read once per batch
+    (see ``kv_tokens_read``).
+    """
     _check_positive("batch", batch)
     size = bytes_per_element(kv_dtype or cfg.dtype, "kv_dtype")
-    return round(batch * kv_tokens_read(cfg, context) * kv_elements_per_token_per_layer(cfg) * size)
+    tokens = kv_tokens_read(cfg, context, window, sinks, shared_prefix)
+    return round((tokens.shared + batch * tokens.per_sequence) * kv_elements_per_token_per_layer(cfg) * size)
 
 
 def bytes_per_step(
@@ -120,6 +174,9 @@ class Prediction:
     batch: int
     weight_dtype: str
     kv_dtype: str
+    window: int | None
+    sinks: int
+    shared_prefix: int
     bandwidth_gbps: float
     weight_bytes: int
     weight_bytes_read: int
@@ -140,18 +197,24 @@ def predict(
     batch: int = 1,
     weight_dtype: str | None = None,
     kv_dtype: str | None = None,
+    window: int | None = None,
+    sinks: int = 0,
+    shared_prefix: int = 0,
 ) -> Prediction:
-    """The whole breakdown for one step at ``context`` tokens and ``batch`` sequences."""
+    """The whole breakdown for one step at ``context`` tokens and ``batch`` sequences (see ``kv_tokens_read``)."""
     weight_dtype = canonical_dtype(weight_dtype or cfg.dtype, "weight_dtype")
     kv_dtype = canonical_dtype(kv_dtype or cfg.dtype, "kv_dtype")
     w = weight_bytes(cfg, weight_dtype)
-    kv = kv_bytes_per_step(cfg, context, batch, kv_dtype)
+    kv = kv_bytes_per_step(cfg, context, batch, kv_dtype, window, sinks, shared_prefix)
     return Prediction(
         model=cfg.name,
         context=context,
         batch=batch,
         weight_dtype=weight_dtype,
         kv_dtype=kv_dtype,
+        window=window,
+        sinks=sinks,
+        shared_prefix=shared_prefix,
         bandwidth_gbps=bandwidth_gbps,
         weight_bytes=w,
         weight_bytes_read=weight_bytes_read(cfg, weight_dtype, batch),

@@ -50,6 +50,18 @@ def test_predict_json_fields(capsys):
     assert (data["kv_dtype"], data["weight_dtype"]) == ("fp8", "bf16")
 
 
+def test_predict_window_sinks_and_shared_prefix(capsys):
+    base = ["predict", "--model", "llama-3.1-8b", "--bandwidth", "300", "--context", "32k", "--batch", "8", "--json"]
+    full = json.loads(run(capsys, *base)[1])
+    windowed = json.loads(run(capsys, *base, "--window", "1020", "--sinks", "4")[1])
+    shared = json.loads(run(capsys, *base, "--shared-prefix", "16k")[1])
+    per_token = full["kv_bytes_per_token"]
+    assert full["kv_bytes"] == 8 * 32768 * per_token
+    assert windowed["kv_bytes"] == 8 * 1024 * per_token
+    assert shared["kv_bytes"] == (16384 + 8 * 16384) * per_token
+    assert (windowed["window"], windowed["sinks"], shared["shared_prefix"]) == (1020, 4, 16384)
+
+
 def test_predict_reads_a_hugging_face_config(tmp_path, capsys):
     from kvlab import get_model
 
@@ -82,7 +94,13 @@ def test_predict_reads_a_hugging_face_config(tmp_path, capsys):
         (["predict", "--model", "llama-3.1-8b", "--bandwidth", "9", "--context", "9", "--batch", "0"], ["--batch"]),
         (["predict", "--config", "/no/such/config.json", "--bandwidth", "9", "--context", "9"], ["--config"]),
         (["predict", "--model", "llama-3.1-8b", "--context", "9"], ["--gpu", "--bandwidth"]),
-        (["bench", "--preset", "deepseek-v3"], ["--preset", "MLA"]),
+        (["predict", "--model", "llama-3.1-8b", "--bandwidth", "9", "--context", "9", "--sinks", "4"], ["--sinks"]),
+        (
+            ["predict", "--model", "llama-3.1-8b", "--bandwidth", "9", "--context", "9", "--shared-prefix", "10"],
+            ["--shared-prefix", "at most"],
+        ),
+        (["predict", "--model", "llama-3.1-8b", "--bandwidth", "9", "--context", "9", "--window", "0"], ["--window"]),
+        (["bench", "--preset", "mixtral-8x7b"], ["--preset", "cannot run yet", "mixture-of-experts"]),
         (["bench", "--fill", "slow"], ["--fill", "prefill"]),
         (["frobnicate"], ["predict", "bench"]),
     ],
@@ -101,7 +119,7 @@ def test_token_counts_accept_k_suffix():
 
 def test_models_and_gpus_list_the_presets(capsys):
     _, out, _ = run(capsys, "models")
-    assert "llama-3.1-70b" in out and "deepseek-v3" in out and "no: MLA" in out
+    assert "llama-3.1-70b" in out and "deepseek-v3" in out and "no: mixture-of-experts" in out
     _, out, _ = run(capsys, "gpus")
     assert "h200-sxm" in out and "4,800 GB/s" in out
 

@@ -106,3 +106,36 @@ def test_measured_ceilings_are_positive_and_consistent():
         assert math.isfinite(value) and value > 0
     assert bw.copy_best_gbps >= bw.copy_gbps and bw.read_best_gbps >= bw.read_gbps
     assert measure_matmul_flops("cpu", n=128, repeats=2) > 0
+
+
+def test_window_and_sinks_bound_what_a_step_reads():
+    cfg = get_model("llama-3.1-8b")
+    per_token = kv_bytes_per_token(cfg)
+    assert kv_bytes_per_step(cfg, 32768, window=1020, sinks=4) == 1024 * per_token
+    assert kv_bytes_per_step(cfg, 500, window=1020, sinks=4) == 500 * per_token  # nothing evicted yet
+    assert kv_bytes_per_step(cfg, 32768, window=1020, sinks=4) == kv_bytes_per_step(cfg, 65536, window=1020, sinks=4)
+    with pytest.raises(ValueError, match="sinks: only meaningful with a window"):
+        kv_bytes_per_step(cfg, 100, sinks=4)
+    with pytest.raises(ValueError, match="window"):
+        kv_bytes_per_step(cfg, 100, window=0)
+
+
+def test_a_policy_window_on_a_local_layer_reads_the_intersection():
+    gemma2 = get_model("gemma-2-9b")  # 21 local layers (window 4096), 21 global
+    per_layer_token = 2 * 8 * 256 * 2
+    # local layers: the sinks lie outside their 4096 window, so only the 1020 recent tokens remain
+    expected = (21 * 1020 + 21 * (4 + 1020)) * per_layer_token
+    assert kv_bytes_per_step(gemma2, 32768, window=1020, sinks=4) == expected
+
+
+def test_shared_prefix_is_read_once_per_batch():
+    cfg = get_model("llama-3.1-8b")
+    per_token = kv_bytes_per_token(cfg)
+    assert kv_bytes_per_step(cfg, 20000, batch=8, shared_prefix=16000) == (16000 + 8 * 4000) * per_token
+    assert kv_bytes_per_step(cfg, 20000, batch=1, shared_prefix=16000) == kv_bytes_per_step(cfg, 20000)
+    # with a window, only the sinks remain of the prefix
+    assert (
+        kv_bytes_per_step(cfg, 20000, batch=8, window=1000, sinks=4, shared_prefix=16000) == (4 + 8 * 1000) * per_token
+    )
+    with pytest.raises(ValueError, match="shared_prefix"):
+        kv_bytes_per_step(cfg, 100, shared_prefix=101)
