@@ -35,6 +35,10 @@ class MLAConfig:
     def __post_init__(self) -> None:
         for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
             _require_positive_int(f"mla.{name}", getattr(self, name))
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(
+                f"mla.qk_rope_head_dim: {self.qk_rope_head_dim} is odd; allowed: an even number (RoPE rotates pairs)"
+            )
         if self.q_lora_rank is not None:
             _require_positive_int("mla.q_lora_rank", self.q_lora_rank)
 
@@ -50,10 +54,11 @@ class ModelConfig:
     MHA, GQA and MQA all come from ``n_kv_heads``: equal to ``n_heads`` is MHA, 1 is MQA, anything between
     that divides ``n_heads`` is GQA.
 
-    Accounting-only fields:
+    Fields beyond the Llama shape:
     - ``layer_windows``: one entry per layer, ``None`` for a global layer or the window in tokens for a local
       (sliding-window) layer. ``None`` for the whole tuple means every layer is global.
-    - ``mla``: the latent-attention shape, for DeepSeek-style models.
+    - ``mla``: the latent-attention shape, for DeepSeek-style models (runnable: see ``kvlab.mla``). Its query/key
+      head is ``qk_nope_head_dim + qk_rope_head_dim``, which ``head_dim`` defaults to and must equal.
     - ``rope_scaling``: Hugging Face's ``rope_parameters`` beyond the default, as sorted ``(key, value)`` pairs
       (``rope_type="llama3"`` is runnable; other types are kept for the record).
     - ``n_params`` / ``n_active_params``: a published parameter count, for models whose blocks a Llama shape only
@@ -91,6 +96,15 @@ class ModelConfig:
                 f"n_kv_heads: {self.n_kv_heads} does not divide n_heads={self.n_heads}; "
                 f"allowed: a divisor of n_heads ({', '.join(map(str, divisors))})"
             )
+        if self.mla is not None:
+            qk_dim = self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim
+            if self.head_dim is None:
+                object.__setattr__(self, "head_dim", qk_dim)
+            elif self.head_dim != qk_dim:
+                raise ValueError(
+                    f"head_dim: {self.head_dim} with MLA; allowed: qk_nope_head_dim + qk_rope_head_dim = {qk_dim} "
+                    "(or leave head_dim unset)"
+                )
         if self.head_dim is None:
             if self.d_model % self.n_heads:
                 raise ValueError(
@@ -99,7 +113,7 @@ class ModelConfig:
                 )
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         _require_positive_int("head_dim", self.head_dim)
-        if self.head_dim % 2:
+        if self.mla is None and self.head_dim % 2:  # MLA ropes only its qk_rope part, checked in MLAConfig
             raise ValueError(f"head_dim: {self.head_dim} is odd; allowed: an even number (RoPE rotates pairs)")
         if self.d_ff is None:
             object.__setattr__(self, "d_ff", _default_d_ff(self.d_model))
@@ -144,15 +158,11 @@ class ModelConfig:
 
     @property
     def runnable(self) -> bool:
-        """Whether ``kvlab.Decoder`` can run this shape today (windows and MLA arrive with the mitigations)."""
+        """Whether ``kvlab.Decoder`` can run this shape (everything but mixture-of-experts and exotic RoPE)."""
         return self.not_runnable_reason is None
 
     @property
     def not_runnable_reason(self) -> str | None:
-        if self.mla is not None:
-            return "MLA attention is accounted for by the byte model but not yet runnable"
-        if self.layer_windows is not None and any(w is not None for w in self.layer_windows):
-            return "per-layer sliding windows are accounted for by the byte model but not yet runnable"
         if self.n_active_params is not None:
             return "mixture-of-experts blocks are accounted for by the byte model but not runnable"
         rope_type = dict(self.rope_scaling or ()).get("rope_type", "default")
@@ -200,7 +210,8 @@ class ModelConfig:
             d_model=hf["hidden_size"],
             n_heads=hf["num_attention_heads"],
             n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            head_dim=hf.get("head_dim"),
+            # transformers' DeepSeek configs set head_dim to the RoPE width; MLA's query/key head is derived instead.
+            head_dim=None if mla else hf.get("head_dim"),
             d_ff=hf.get("intermediate_size"),
             vocab_size=hf.get("vocab_size", 32000),
             max_seq_len=hf.get("max_position_embeddings", 4096),
@@ -218,6 +229,8 @@ class ModelConfig:
         """The Llama ``config.json`` dict for this shape (dense, global attention only)."""
         if not self.runnable:
             raise ValueError(f"to_hf_config: {self.not_runnable_reason}")
+        if self.mla is not None:
+            raise ValueError("to_hf_config: MLA attention has no Llama config.json; allowed: an MHA, GQA or MQA shape")
         return {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",

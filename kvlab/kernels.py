@@ -25,15 +25,33 @@ def decode_attention(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor) -> tor
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int) -> torch.Tensor:
+def window_mask(
+    q_positions: torch.Tensor, k_positions: torch.Tensor, window: int | None = None, sinks: int = 0
+) -> torch.Tensor:
+    """Which keys each query may see: ``[T]``, ``[n]`` -> bool ``[T, n]``, True where visible.
+
+    Causal, and with a ``window``, only the ``window`` most recent keys (the query's own included) plus the first
+    ``sinks`` positions. ``window=None`` is plain causal attention.
+    """
+    q, k = q_positions[:, None], k_positions[None, :]
+    visible = k <= q
+    if window is not None:
+        visible &= (k > q - window) | (k < sinks)
+    return visible
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, window: int | None = None
+) -> torch.Tensor:
     """Causal attention for several new queries (prefill, or a multi-token step).
 
     ``q``: ``[B, H, T, D]`` at positions ``q_start .. q_start+T-1``; ``k``, ``v``: ``[B, Hkv, S, D]`` at positions
-    ``0 .. S-1``. Query t sees keys ``0 .. q_start+t``. Returns ``[B, H, T, D]``.
+    ``0 .. S-1``. Query t sees keys ``0 .. q_start+t`` (only the last ``window`` of them for a sliding-window
+    layer). Returns ``[B, H, T, D]``.
     """
     n_q, n_k = q.shape[-2], k.shape[-2]
-    if q_start == 0 and n_q == n_k:
+    if window is None and q_start == 0 and n_q == n_k:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    q_pos = torch.arange(q_start, q_start + n_q, device=q.device)
-    mask = torch.arange(n_k, device=q.device)[None, :] <= q_pos[:, None]
+    positions = torch.arange(max(n_k, q_start + n_q), device=q.device)
+    mask = window_mask(positions[q_start : q_start + n_q], positions[:n_k], window)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)

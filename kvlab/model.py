@@ -76,6 +76,7 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.window = cfg.layer_windows[layer] if cfg.layer_windows else None
         q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         self.wqkv = nn.Parameter(torch.empty(cfg.d_model, q_dim + 2 * kv_dim))  # [in, q | k | v]
         self.wo = nn.Parameter(torch.empty(q_dim, cfg.d_model))
@@ -88,7 +89,8 @@ class Attention(nn.Module):
         qk = apply_rope(qkv[:, :, :qk_heads], cos, sin)
         q, k, v = qk[:, :, : self.n_heads], qk[:, :, self.n_heads :], qkv[:, :, qk_heads:]
         if cache is None:
-            out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), q_start=0).transpose(1, 2)
+            qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            out = causal_attention(qh, kh, vh, q_start=0, window=self.window).transpose(1, 2)
         else:
             cache.append(self.layer, k, v)
             out = cache.attend(self.layer, q)
@@ -110,7 +112,12 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg, layer)
+        if cfg.mla is None:
+            self.attn = Attention(cfg, layer)
+        else:
+            from kvlab.mla import MLAAttention  # imported here: kvlab.mla builds on this module's layers
+
+            self.attn = MLAAttention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
@@ -136,7 +143,8 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.d_model, cfg.vocab_size))
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, dict(cfg.rope_scaling or ()))
+        rope_dim = cfg.head_dim if cfg.mla is None else cfg.mla.qk_rope_head_dim  # MLA ropes only that part
+        self.rope = RotaryEmbedding(rope_dim, cfg.rope_theta, dict(cfg.rope_scaling or ()))
         self.reset_parameters(seed)
         self.to(device=resolve_device(device), dtype=torch_dtype(cfg.dtype))
         # RoPE angles stay fp32 even in a bf16 model: bf16 cannot tell position 300 from 301.
@@ -163,16 +171,24 @@ class Decoder(nn.Module):
         return self.embed.weight.dtype
 
     def new_cache(self, batch_size: int = 1, capacity: int | None = None, kv_dtype: str | None = None) -> KVCache:
-        """A contiguous cache for this model; ``capacity`` defaults to ``max_seq_len``."""
+        """A cache for this model; ``capacity`` defaults to ``max_seq_len``.
+
+        Contiguous for global attention; a window cache when some layers are local (they keep only their window);
+        the latent cache for MLA.
+        """
         cfg = self.cfg
+        capacity = cfg.max_seq_len if capacity is None else capacity
+        dtype = canonical_dtype(kv_dtype or cfg.dtype, "kv_dtype")
+        if cfg.layer_windows is not None and any(w is not None for w in cfg.layer_windows):
+            from kvlab.cache.window import WindowKVCache  # imported here: the window cache builds on this module
+
+            return WindowKVCache.for_model(self, batch_size, capacity, kv_dtype=dtype)
+        if cfg.mla is not None:
+            from kvlab.mla import LatentKVCache
+
+            return LatentKVCache(cfg.n_layers, batch_size, capacity, cfg.mla, dtype=dtype, device=self.device)
         return ContiguousKVCache(
-            cfg.n_layers,
-            batch_size,
-            cfg.max_seq_len if capacity is None else capacity,
-            cfg.n_kv_heads,
-            cfg.head_dim,
-            dtype=canonical_dtype(kv_dtype or cfg.dtype, "kv_dtype"),
-            device=self.device,
+            cfg.n_layers, batch_size, capacity, cfg.n_kv_heads, cfg.head_dim, dtype=dtype, device=self.device
         )
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:

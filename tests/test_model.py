@@ -156,8 +156,19 @@ def test_device_is_picked_automatically_and_can_be_overridden():
 def test_unrunnable_shapes_are_refused_with_the_reason():
     from kvlab import get_model
 
-    with pytest.raises(ValueError, match="deepseek-v3: MLA"):
-        Decoder(get_model("deepseek-v3"))
+    with pytest.raises(ValueError, match="mixtral-8x7b: mixture-of-experts"):
+        Decoder(get_model("mixtral-8x7b"))
+
+
+def test_local_layers_attend_only_to_their_window_with_and_without_a_cache():
+    windowed = Decoder(tiny_config(layer_windows=(5, None)), device="cpu", seed=12)
+    full = Decoder(tiny_config(), device="cpu", seed=12)
+    tokens = torch.randint(0, 101, (2, 30), generator=torch.Generator().manual_seed(13))
+    with torch.no_grad():
+        reference = windowed(tokens)
+        assert_close(reference[:, :5], full(tokens)[:, :5], rtol=0, atol=1e-5)  # inside the window: identical
+        assert (reference[:, 10:] - full(tokens)[:, 10:]).abs().max() > 1e-3  # past it: the window matters
+    assert_close(_incremental_logits(windowed, tokens, 3), reference, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])

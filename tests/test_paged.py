@@ -1,0 +1,359 @@
+"""Paged KV storage: equality with the contiguous cache, copy-on-write, prefix caching, LRU reuse, exhaustion,
+preemption, cascade attention and byte accounting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlab.cache.base import CacheCapacityError
+from kvlab.cache.block_pool import BlockPool, PoolExhaustedError
+from kvlab.cache.cascade import cascade_decode_attention, shared_prefix_blocks
+from kvlab.cache.paged import PagedKVCache
+from kvlab.kernels import decode_attention
+from kvlab.model import Decoder
+
+from .helpers import tiny_config
+
+EXACT = dict(rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These tensors are tiny: on shared, busy cores a second thread only adds spin-waiting (50x slower here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=[4, 2], ids=["MHA", "GQA"])
+def model(request) -> Decoder:
+    return Decoder(tiny_config(n_kv_heads=request.param))
+
+
+@pytest.fixture(scope="module")
+def gqa() -> Decoder:
+    return Decoder(tiny_config(n_kv_heads=2))
+
+
+def tokens(*shape: int, seed: int = 0) -> torch.Tensor:
+    """Token ids below 13: valid for any tiny vocabulary, and small enough to be read in a failure message."""
+    return torch.randint(0, 13, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def pool_state(pool: BlockPool) -> tuple:
+    return (
+        {s: (pool.block_table(s), pool.length(s)) for s in pool.sequences()},
+        [pool.ref_count(b) for b in range(pool.n_blocks)],
+        pool.free_blocks(),
+        pool.n_cached,
+    )
+
+
+# -- paged == contiguous --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("block_size", [1, 4, 11])  # the run ends at 33 tokens: 11 divides it, 4 does not
+def test_paged_decode_equals_contiguous_exactly(model: Decoder, block_size: int) -> None:
+    prompt = tokens(2, 13)
+    contiguous = model.new_cache(batch_size=2, capacity=64)
+    paged = PagedKVCache.for_model(model, n_blocks=80, block_size=block_size, batch_size=2)
+    expected = model.prefill(prompt, contiguous)
+    torch.testing.assert_close(model.prefill(prompt, paged), expected, **EXACT)
+    token = expected[:, -1].argmax(-1)
+    for _ in range(20):
+        expected = model.decode_step(token, contiguous)
+        torch.testing.assert_close(model.decode_step(token, paged), expected, **EXACT)
+        token = expected.argmax(-1)
+    assert paged.length == contiguous.length == 33
+    for got, want in zip(paged.read(1), contiguous.read(1), strict=True):
+        torch.testing.assert_close(got, want, **EXACT)
+
+
+# -- copy-on-write ---------------------------------------------------------------------------------------------------
+def test_pool_fork_copies_a_shared_block_once_when_written() -> None:
+    pool = BlockPool(n_blocks=8, block_size=4)
+    parent, _ = pool.add_sequence()
+    pool.append([parent], 6)
+    full, partial = pool.block_table(parent)
+    child = pool.fork(parent)
+    assert pool.ref_count(full) == pool.ref_count(partial) == 2
+
+    grant = pool.append([child], 1)
+    assert len(grant.copies) == 1 and grant.copies[0][0] == partial
+    copy = grant.copies[0][1]
+    assert pool.block_table(parent) == [full, partial]
+    assert pool.block_table(child) == [full, copy]
+    assert (pool.ref_count(full), pool.ref_count(partial), pool.ref_count(copy)) == (2, 1, 1)
+    assert pool.append([parent], 1).copies == []  # the parent now holds its block alone: it writes in place
+
+
+def test_cache_fork_keeps_the_parents_kv_and_matches_contiguous(gqa: Decoder) -> None:
+    prompt = tokens(1, 6)
+    paged = PagedKVCache.for_model(gqa, n_blocks=16, block_size=4)
+    gqa.prefill(prompt, paged)
+    parent_k, parent_v = (x.clone() for x in paged.read(0))
+    assert paged.fork(0) == 1
+    assert paged.block_tables()[0] == paged.block_tables()[1]
+
+    next_tokens = torch.tensor([5, 17])
+    logits = gqa.decode_step(next_tokens, paged)
+    tables = paged.block_tables()
+    assert tables[0][0] == tables[1][0] and tables[0][1] != tables[1][1]
+    assert len({b for t in tables for b in t}) == 3  # the shared partial block was copied exactly once
+    k, v = paged.read(0)
+    torch.testing.assert_close(k[:, :, :6], parent_k.expand(2, -1, -1, -1), **EXACT)
+    torch.testing.assert_close(v[:, :, :6], parent_v.expand(2, -1, -1, -1), **EXACT)
+    assert not torch.equal(k[0, :, 6], k[1, :, 6])  # different tokens were written into the two copies
+
+    contiguous = gqa.new_cache(batch_size=2, capacity=16)
+    gqa.prefill(prompt.expand(2, -1), contiguous)
+    torch.testing.assert_close(logits, gqa.decode_step(next_tokens, contiguous), **EXACT)
+
+
+# -- prefix caching --------------------------------------------------------------------------------------------------
+def test_prefix_hit_reuses_blocks_kv_and_gives_the_remainders_logits(gqa: Decoder) -> None:
+    first = tokens(1, 13, seed=1)
+    paged = PagedKVCache.for_model(gqa, n_blocks=32, block_size=4)
+    assert paged.begin(first) == 0
+    gqa.prefill(first, paged)
+    first_blocks = paged.block_tables()[0]
+    first_kv = [(k.clone(), v.clone()) for k, v in (paged.read(layer) for layer in range(2))]
+
+    second = torch.cat([first[:, :10], tokens(1, 5, seed=2)], dim=1)  # shares 10 tokens: 2 full blocks
+    n_cached = paged.begin(second)
+    assert n_cached == 8
+    assert paged.length == 8 and paged.block_tables()[0] == first_blocks[:2]
+    for layer, (k0, v0) in enumerate(first_kv):
+        k, v = paged.read(layer)
+        torch.testing.assert_close(k, k0[:, :, :8], **EXACT)
+        torch.testing.assert_close(v, v0[:, :, :8], **EXACT)
+    remainder = gqa.prefill(second[:, n_cached:], paged)
+
+    # The same split on a contiguous cache is the same computation: equal bit for bit.
+    contiguous = gqa.new_cache(capacity=32)
+    gqa.prefill(second[:, :n_cached], contiguous)
+    torch.testing.assert_close(remainder, gqa.prefill(second[:, n_cached:], contiguous), **EXACT)
+    # A full prefill runs SDPA's is_causal path instead of the masked one: equal to float rounding.
+    fresh = gqa.new_cache(capacity=32)
+    torch.testing.assert_close(remainder, gqa.prefill(second, fresh)[:, n_cached:], rtol=1e-5, atol=1e-5)
+
+
+def test_prefix_hit_leaves_the_last_token_and_covers_fed_response_tokens(gqa: Decoder) -> None:
+    prompt = tokens(1, 8, seed=3)
+    paged = PagedKVCache.for_model(gqa, n_blocks=32, block_size=4)
+    paged.begin(prompt)
+    token = gqa.prefill(prompt, paged)[:, -1].argmax(-1)
+    response = []
+    for _ in range(5):
+        response.append(int(token))
+        paged.feed_tokens(token[:, None])
+        token = gqa.decode_step(token, paged).argmax(-1)
+    # 8 prompt tokens are cached, but a prefill needs at least one token: one block is recomputed.
+    assert paged.begin(prompt) == 4
+    # Next turn: prompt + response (13 tokens, whose first 12 are 3 full blocks with known ids) + a new message.
+    turn_two = prompt[0].tolist() + response + [1, 2, 3]
+    assert paged.begin([turn_two]) == 12
+
+
+def test_a_hash_collision_is_a_miss_not_wrong_kv(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("kvlab.cache.block_pool.chain_hash", lambda parent_hash, block_tokens: 0)
+    pool = BlockPool(n_blocks=8, block_size=2)
+    a, _ = pool.add_sequence()
+    pool.append([a], 4, [[1, 2, 3, 4]])
+    # Both blocks hash to 0; the newer, (3, 4) after (1, 2), holds the slot. Its tokens alone match [3, 4], but
+    # its K/V were computed after (1, 2), so a sequence starting with [3, 4] must not get it.
+    assert pool.cached_prefix([3, 4]) == []
+    assert pool.cached_prefix([1, 2, 3, 4]) == []
+    b, n = pool.add_sequence([3, 4, 5, 6])
+    assert n == 0 and pool.block_table(b) == []
+
+
+def test_blocks_after_an_unknown_token_are_never_cached() -> None:
+    pool = BlockPool(n_blocks=8, block_size=2)
+    a, _ = pool.add_sequence()
+    pool.append([a], 3, [[1, 2, 3]])
+    pool.append([a], 1)  # an id the pool is not told: block 2's K/V depend on it
+    pool.append([a], 2, [[5, 6]])
+    assert pool.n_cached == 1
+    assert pool.cached_prefix([1, 2, 3, 4, 5, 6]) == pool.block_table(a)[:1]
+    assert pool.cached_prefix([5, 6]) == []
+    with pytest.raises(ValueError, match="token_ids: allowed None, or 1 lists of 2 token ids each"):
+        pool.append([a], 2, [[7]])
+
+
+def test_freed_cached_blocks_are_evicted_least_recently_used_first() -> None:
+    pool = BlockPool(n_blocks=6, block_size=2)
+    a, _ = pool.add_sequence()
+    pool.append([a], 4, [[1, 2, 3, 4]])
+    b, _ = pool.add_sequence()
+    pool.append([b], 4, [[5, 6, 7, 8]])
+    a_blocks, b_blocks = pool.block_table(a), pool.block_table(b)
+    pool.free(a)
+    pool.free(b)
+    never_used = [x for x in range(6) if x not in a_blocks + b_blocks]
+    # Never-cached blocks go first, then a's (freed earlier), each sequence's tail block before its head.
+    assert pool.free_blocks() == never_used + a_blocks[::-1] + b_blocks[::-1]
+
+    again, n = pool.add_sequence([1, 2, 3, 4])  # a hit makes a's blocks the most recently used
+    assert n == 4 and pool.block_table(again) == a_blocks
+    pool.free(again)
+    assert pool.free_blocks() == never_used + b_blocks[::-1] + a_blocks[::-1]
+
+    c, _ = pool.add_sequence()
+    pool.append([c], 6)  # three blocks: the two never cached, then b's tail
+    assert pool.block_table(c) == never_used + [b_blocks[1]]
+    assert pool.cached_prefix([5, 6, 7, 8]) == b_blocks[:1]
+    assert pool.cached_prefix([1, 2, 3, 4]) == a_blocks
+    c_blocks = pool.block_table(c)
+    pool.free(c)  # its ids were never given, so its blocks hold nothing reusable: they go before any cached block
+    assert sorted(pool.free_blocks()[:3]) == sorted(c_blocks)
+    assert pool.free_blocks()[3:] == b_blocks[:1] + a_blocks[::-1]
+
+
+# -- running out ------------------------------------------------------------------------------------------------------
+def test_exhaustion_raises_a_clear_error_and_changes_nothing() -> None:
+    pool = BlockPool(n_blocks=4, block_size=2)
+    a, _ = pool.add_sequence()
+    pool.append([a], 5, [[1, 2, 3, 4, 5]])
+    b, _ = pool.add_sequence()
+    before = pool_state(pool)
+    with pytest.raises(PoolExhaustedError, match=r"needs 2 free block\(s\) of 2 tokens, but 1 of 4 are free") as err:
+        pool.append([b], 3, [[1, 2, 3]])
+    assert "preempt=True" in str(err.value) and "more blocks" in str(err.value)
+    assert isinstance(err.value, CacheCapacityError)
+    assert pool_state(pool) == before
+
+
+def test_cache_exhaustion_keeps_the_cache_usable(gqa: Decoder) -> None:
+    paged = PagedKVCache.for_model(gqa, n_blocks=3, block_size=4)
+    gqa.prefill(tokens(1, 10), paged)
+    before = (paged.length, paged.block_tables(), pool_state(paged.pool))
+    with pytest.raises(CacheCapacityError, match="block pool exhausted"):
+        gqa.prefill(tokens(1, 3), paged)
+    assert (paged.length, paged.block_tables(), pool_state(paged.pool)) == before
+    gqa.decode_step(torch.tensor([1]), paged)
+    assert paged.length == 11
+
+
+def test_preemption_frees_the_newest_other_sequences_first() -> None:
+    pool = BlockPool(n_blocks=5, block_size=2)
+    oldest, middle, newest = (pool.add_sequence()[0] for _ in range(3))
+    pool.append([oldest], 4)
+    pool.append([middle], 2)
+    pool.append([newest], 2)
+    assert pool.append([middle], 2, preempt=True).preempted == []  # the one free block suffices
+    assert pool.append([middle], 2, preempt=True).preempted == [newest]
+    assert pool.sequences() == [oldest, middle]
+    before = pool_state(pool)
+    with pytest.raises(PoolExhaustedError, match="even after preempting every other sequence"):
+        pool.append([middle], 20, preempt=True)
+    assert pool_state(pool) == before
+    grant = pool.append([oldest], 4, preempt=True)
+    assert grant.preempted == [middle] and pool.sequences() == [oldest]
+    assert pool.length(oldest) == 8 and pool.n_free == 1
+    with pytest.raises(ValueError, match="seq_id"):
+        pool.free(middle)
+
+
+# -- cascade ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("prefix,suffix", [(24, 5), (8, 1), (0, 7), (16, 0)])
+def test_cascade_attention_equals_per_sequence_attention(prefix: int, suffix: int) -> None:
+    gen = torch.Generator().manual_seed(4)
+    b, hkv, g, d = 3, 2, 2, 16
+    q = torch.randn(b, hkv, g, d, generator=gen) / d**0.5
+    pk, pv = torch.randn(hkv, d, prefix, generator=gen), torch.randn(hkv, prefix, d, generator=gen)
+    sk, sv = torch.randn(b, hkv, d, suffix, generator=gen), torch.randn(b, hkv, suffix, d, generator=gen)
+    whole_k = torch.cat([pk.expand(b, -1, -1, -1), sk], dim=-1)
+    whole_v = torch.cat([pv.expand(b, -1, -1, -1), sv], dim=-2)
+    expected = decode_attention(q, whole_k, whole_v)
+    torch.testing.assert_close(cascade_decode_attention(q, pk, pv, sk, sv), expected, rtol=0, atol=1e-5)
+
+
+def test_cascade_attention_rejects_mismatched_shapes() -> None:
+    q = torch.zeros(2, 2, 1, 8)
+    with pytest.raises(ValueError, match=r"prefix_v: shape \(2, 3, 8\); allowed: \(2, 4, 8\)"):
+        cascade_decode_attention(
+            q, torch.zeros(2, 8, 4), torch.zeros(2, 3, 8), torch.zeros(2, 2, 8, 1), torch.zeros(2, 2, 1, 8)
+        )
+
+
+def test_shared_prefix_blocks() -> None:
+    assert shared_prefix_blocks([[1, 2, 3], [1, 2, 4], [1, 2]]) == 2
+    assert shared_prefix_blocks([[1, 2], [3, 2]]) == 0
+    assert shared_prefix_blocks([]) == 0
+
+
+def _shared_prompt_batch(model: Decoder, cascade: bool) -> tuple[PagedKVCache, torch.Tensor]:
+    """A system prompt of 8 tokens (2 blocks of 4) served once, then three chats that start with it."""
+    system = tokens(8, seed=5).tolist()
+    cache = PagedKVCache.for_model(model, n_blocks=32, block_size=4, cascade=cascade)
+    cache.begin([system + [1, 2, 3]])
+    model.prefill(torch.tensor([system + [1, 2, 3]]), cache)
+    chats = torch.tensor([system + [4, 5, 6], system + [7, 8, 9], system + [10, 11, 12]])
+    assert cache.begin(chats) == 8
+    return cache, model.prefill(chats[:, 8:], cache)
+
+
+def test_cascade_cache_decode_matches_and_reads_the_prefix_once(gqa: Decoder, monkeypatch: pytest.MonkeyPatch) -> None:
+    prefix_lengths = []
+
+    def spy(q, prefix_k_t, *rest):
+        prefix_lengths.append(prefix_k_t.shape[-1])
+        return cascade_decode_attention(q, prefix_k_t, *rest)
+
+    monkeypatch.setattr("kvlab.cache.paged.cascade_decode_attention", spy)
+    cascade, logits_c = _shared_prompt_batch(gqa, cascade=True)
+    plain, logits_p = _shared_prompt_batch(gqa, cascade=False)
+    torch.testing.assert_close(logits_c, logits_p, **EXACT)  # prefill does not use cascade
+    assert prefix_lengths == []
+    token = logits_p[:, -1].argmax(-1)
+    for _ in range(2):
+        expected = gqa.decode_step(token, plain)
+        torch.testing.assert_close(gqa.decode_step(token, cascade), expected, rtol=0, atol=1e-5)
+        token = expected.argmax(-1)
+    assert prefix_lengths == [8] * 4  # 2 steps x 2 layers, each reading the 8 shared tokens once
+    assert cascade.length == 13 and [t[:2] for t in cascade.block_tables()] == [cascade.block_tables()[0][:2]] * 3
+
+    # By hand: 13 tokens = 4 blocks of 4 per sequence, the first 2 shared. One block across layers is
+    # 2 (K, V) x 2 layers x 2 KV heads x 16 dims x 4 tokens x 4 bytes = 2048; each layer reads each table entry it
+    # uses (4 bytes).
+    # cascade: 2 prefix blocks once + 3 x 2 suffix blocks = 8 blocks; 2 layers x 8 entries x 4 bytes.
+    assert cascade.bytes_read_per_step() == 8 * 2048 + 2 * 8 * 4
+    # per sequence: 3 x 4 = 12 blocks.
+    assert plain.bytes_read_per_step() == 12 * 2048 + 2 * 12 * 4
+    # Stored: 2 shared + 3 x 2 own blocks, and 12 table entries; identical for both.
+    assert cascade.bytes_stored() == plain.bytes_stored() == 8 * 2048 + 12 * 4
+
+
+# -- bytes -----------------------------------------------------------------------------------------------------------
+def test_paged_byte_counts_by_hand(gqa: Decoder) -> None:
+    paged = PagedKVCache.for_model(gqa, n_blocks=10, block_size=4)
+    gqa.prefill(tokens(1, 5), paged)
+    # 5 tokens take 2 blocks of 4 (the second mostly empty): 2 x 2048 bytes, plus 2 int32 table entries.
+    assert paged.bytes_stored() == 2 * 2048 + 2 * 4
+    # A step reads both blocks whole, and each of the 2 layers reads the 2 table entries.
+    assert paged.bytes_read_per_step() == 2 * 2048 + 2 * 2 * 4
+    assert paged.bytes_read_per_step(context=9) == 3 * 2048 + 2 * 3 * 4
+    assert paged.bytes_allocated() == 10 * 2048
+    # One new token per sequence: 2 x 2 layers x 2 heads x 16 dims x 4 bytes.
+    assert paged.bytes_written_per_step() == 512
+    paged.fork(0)
+    assert paged.bytes_stored() == 2 * 2048 + 4 * 4  # shared blocks once, but each table pays for its entries
+    paged.reset()
+    assert (paged.batch_size, paged.length, paged.bytes_stored()) == (2, 0, 0)
+    paged.fast_fill(9)
+    assert paged.bytes_stored() == 2 * 3 * 2048 + 2 * 3 * 4
+
+
+def test_bad_arguments_name_themselves(gqa: Decoder) -> None:
+    with pytest.raises(ValueError, match="block_size: 0 is not allowed; allowed: a positive integer"):
+        PagedKVCache.for_model(gqa, n_blocks=4, block_size=0)
+    paged = PagedKVCache.for_model(gqa, n_blocks=4, block_size=4)
+    with pytest.raises(ValueError, match="prompts: lengths \\[3, 2\\]"):
+        paged.begin([[1, 2, 3], [1, 2]])
+    with pytest.raises(ValueError, match=r"index: 1; allowed: an integer in \[0, 1\)"):
+        paged.fork(1)
+    with pytest.raises(ValueError, match="token_ids: 2 rows"):
+        paged.feed_tokens([[1], [2]])
+    with pytest.raises(ValueError, match="n_new"):
+        paged.reserve(0)

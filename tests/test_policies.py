@@ -1,0 +1,398 @@
+"""Retention policies: each equals a full cache with exactly the evicted positions masked, and counts its bytes.
+
+The references here share no code with the policies: a full contiguous cache with an explicit mask built from
+Python sets, a brute-force StreamingLLM that re-ropes un-roped keys every step, and a brute-force H2O oracle.
+"""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from kvlab import ContiguousKVCache, Decoder, MLAConfig, ModelConfig
+from kvlab.cache.heavy_hitters import HeavyHitterKVCache
+from kvlab.cache.window import WindowKVCache
+from kvlab.model import apply_rope
+
+CFG = ModelConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=97, max_seq_len=256)
+B, N = 2, 40
+# Step sizes: a prefill longer than the small windows, decode steps, a mid-stream chunk, more decode steps.
+SCHEDULE = [10] + [1] * 14 + [5] + [1] * 11
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These tensors are tiny: on shared, busy cores a second thread only adds spin-waiting (10x slower here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model() -> Decoder:
+    """Random weights with Q/K/V scaled up, so attention is peaked and dropping a token visibly moves the logits."""
+    model = Decoder(CFG, device="cpu", seed=0)
+    with torch.no_grad():
+        for block in model.layers:
+            block.attn.wqkv.mul_(4.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tokens() -> torch.Tensor:
+    return torch.randint(0, CFG.vocab_size, (B, N), generator=torch.Generator().manual_seed(1))
+
+
+def run(model, cache, tokens, schedule=SCHEDULE, after_step=None) -> torch.Tensor:
+    """Feed ``tokens`` by ``schedule`` (1 = a decode step, more = a prefill chunk); logits ``[B, N, V]``."""
+    out, start = [], 0
+    for n in schedule:
+        chunk = tokens[:, start : start + n]
+        out.append(model.decode_step(chunk[:, 0], cache)[:, None] if n == 1 else model.prefill(chunk, cache))
+        start += n
+        if after_step is not None:
+            after_step(start)
+    assert start == tokens.shape[1]
+    return torch.cat(out, dim=1)
+
+
+def reference_attention(q, k, v, mask=None):
+    """Per query head, no grouping tricks. ``q`` ``[B, T, H, D]``; ``k``, ``v`` ``[B, Hkv, n, D]``; ``mask``
+    ``[B|1, Hkv|1, T, n]`` (True = visible) -> out ``[B, T, H, D]``, probs ``[B, H, T, n]``."""
+    g = q.shape[2] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    scores = torch.einsum("bthd,bhsd->bhts", q, k) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask.repeat_interleave(g, dim=1) if mask.shape[1] > 1 else ~mask, -math.inf)
+    probs = scores.softmax(dim=-1)
+    return torch.einsum("bhts,bhsd->bthd", probs, v), probs
+
+
+class MaskedFullCache(ContiguousKVCache):
+    """Keeps every token; a query sees key ``a`` only where ``visible(layer, b, h, p, a)`` says so."""
+
+    def __init__(self, model: Decoder, visible) -> None:
+        cfg = model.cfg
+        super().__init__(cfg.n_layers, B, N, cfg.n_kv_heads, cfg.head_dim)
+        self.visible = visible
+
+    def mask(self, layer: int, t: int) -> torch.Tensor:
+        end = self.length
+        return torch.tensor(
+            [
+                [
+                    [[a <= p and self.visible(layer, b, h, p, a) for a in range(end)] for p in range(end - t, end)]
+                    for h in range(self.n_kv_heads)
+                ]
+                for b in range(B)
+            ]
+        )
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        k, v = self.read(layer)
+        out, probs = reference_attention(q, k, v, self.mask(layer, q.shape[1]))
+        self.observe(layer, probs)
+        return out
+
+    def observe(self, layer: int, probs: torch.Tensor) -> None:
+        """Hook for the H2O oracle."""
+
+
+def window_keeps(p: int, sinks: int, window: int | None) -> set[int]:
+    """Positions a query at ``p`` sees under window + sinks (StreamingLLM's rule, written out)."""
+    if window is None:
+        return set(range(p + 1))
+    return set(range(min(sinks, p + 1))) | set(range(max(0, p - window + 1), p + 1))
+
+
+def windowed_reference(model, sinks, windows) -> MaskedFullCache:
+    return MaskedFullCache(model, lambda layer, b, h, p, a: a in window_keeps(p, sinks, windows[layer]))
+
+
+# -- (a) window + sinks, original positions == full cache with the evicted positions masked ------------------------
+@pytest.mark.parametrize(("sinks", "window"), [(2, 6), (0, 5), (3, 1)])
+def test_window_with_original_positions_equals_masked_full_cache(model, tokens, sinks, window):
+    cache = WindowKVCache.for_model(model, B, window=window, sinks=sinks)
+    got = run(model, cache, tokens)
+    want = run(model, windowed_reference(model, sinks, [window] * CFG.n_layers), tokens)
+    assert_close(got, want, **TOL)
+    # The masking matters: past the first eviction the logits leave the full cache's.
+    full = run(model, model.new_cache(B, N), tokens)
+    assert (got - full)[:, sinks + window + 1 :].abs().max() > 1e-2
+
+
+def test_window_stores_the_kept_tokens_keys_and_values(model, tokens):
+    """Layer 0's K/V depend only on the token and its position, so they must equal a full cache's, slot by slot."""
+    cache, full = WindowKVCache.for_model(model, B, window=5, sinks=2), model.new_cache(B, N)
+    run(model, cache, tokens)
+    run(model, full, tokens)
+    positions = cache.kept_positions(0)
+    assert sorted(positions[0, 0].tolist()) == [0, 1, 35, 36, 37, 38, 39]
+    k, v = cache.read(0)
+    full_k, full_v = full.read(0)
+    index = positions[..., None].expand(-1, -1, -1, CFG.head_dim)
+    assert_close(k, full_k.gather(2, index), rtol=0, atol=0)
+    assert_close(v, full_v.gather(2, index), rtol=0, atol=0)
+
+
+# -- (b) re-assigned positions == brute-force StreamingLLM ------------------------------------------------------
+def streaming_llm_reference(model: Decoder, tokens: torch.Tensor, sinks: int, window: int) -> torch.Tensor:
+    """Feed tokens one at a time; keep every token's K/V before RoPE; at each step rope the kept keys at their
+    in-cache positions ``0 .. n-1`` and the query at ``n-1``, as StreamingLLM does. Logits ``[B, N, V]``."""
+    cfg = model.cfg
+    h, hkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    raw_k = [[] for _ in model.layers]
+    raw_v = [[] for _ in model.layers]
+    logits = []
+    with torch.inference_mode():
+        for p in range(tokens.shape[1]):
+            kept = sorted(window_keeps(p, sinks, window))
+            cos, sin = model.rope(torch.arange(len(kept)))
+            x = model.embed(tokens[:, p : p + 1])
+            for i, block in enumerate(model.layers):
+                q, k, v = (block.attn_norm(x) @ block.attn.wqkv).view(B, 1, h + 2 * hkv, d).split([h, hkv, hkv], 2)
+                raw_k[i].append(k)
+                raw_v[i].append(v)
+                keys = apply_rope(torch.cat([raw_k[i][a] for a in kept], dim=1), cos, sin)
+                values = torch.cat([raw_v[i][a] for a in kept], dim=1)
+                q = apply_rope(q, cos[-1:], sin[-1:])
+                out, _ = reference_attention(q, keys.transpose(1, 2), values.transpose(1, 2))
+                x = x + out.reshape(B, 1, -1) @ block.attn.wo
+                x = x + block.mlp(block.mlp_norm(x))
+            logits.append(model._logits(x))
+    return torch.cat(logits, dim=1)
+
+
+def test_streaming_reference_without_eviction_is_the_plain_model(model, tokens):
+    with torch.no_grad():
+        assert_close(streaming_llm_reference(model, tokens[:, :12], sinks=2, window=20), model(tokens[:, :12]), **TOL)
+
+
+@pytest.mark.parametrize(("sinks", "window", "schedule"), [(2, 6, SCHEDULE), (4, 3, [1] * N), (1, 8, [20, 20])])
+def test_window_with_reassigned_positions_equals_brute_force_streaming_llm(model, tokens, sinks, window, schedule):
+    cache = WindowKVCache.for_model(model, B, window=window, sinks=sinks, positions="reassigned")
+    got = run(model, cache, tokens, schedule)
+    assert_close(got, streaming_llm_reference(model, tokens, sinks, window), **TOL)
+    original = run(model, WindowKVCache.for_model(model, B, window=window, sinks=sinks), tokens, schedule)
+    assert_close(got[:, : sinks + window], original[:, : sinks + window], **TOL)  # same until the first eviction
+    assert (got - original).abs().max() > 1e-2  # then the sinks see the query from a different distance
+
+
+# -- (c) a window larger than the sequence is the contiguous cache ------------------------------------------------
+@pytest.mark.parametrize("positions", ["original", "reassigned"])
+def test_window_longer_than_the_sequence_equals_the_contiguous_cache_exactly(model, tokens, positions):
+    sinks, window = 4, N
+    cache = WindowKVCache.for_model(model, B, window=window, sinks=sinks, positions=positions)
+    contiguous = ContiguousKVCache(CFG.n_layers, B, sinks + window, CFG.n_kv_heads, CFG.head_dim)
+    assert_close(run(model, cache, tokens), run(model, contiguous, tokens), rtol=0, atol=0)
+
+
+# -- (d) per-layer windows == per-layer masked full cache ---------------------------------------------------------
+@pytest.mark.parametrize(("windows", "sinks"), [((4, None), 1), ((None, 3), 0)])
+def test_per_layer_windows_equal_a_per_layer_masked_full_cache(model, tokens, windows, sinks):
+    cache = WindowKVCache.for_model(model, B, N, window=windows, sinks=sinks)
+    got = run(model, cache, tokens)
+    assert_close(got, run(model, windowed_reference(model, sinks, windows), tokens), **TOL)
+    assert [cache.held(layer) for layer in range(CFG.n_layers)] == [N if w is None else sinks + w for w in windows]
+
+
+# -- (e) heavy hitters == brute-force H2O oracle ------------------------------------------------------------------
+class H2OOracle(MaskedFullCache):
+    """A full cache plus H2O written out: Python sets of kept positions per (layer, sequence, KV head), scores
+    summed from the reference attention's probabilities, decisions by sorting."""
+
+    def __init__(self, model: Decoder, heavy: int, recent: int) -> None:
+        super().__init__(model, lambda layer, b, h, p, a: a in self.kept[layer][b][h])
+        self.heavy, self.recent = heavy, recent
+        self.kept = [[[set() for _ in range(CFG.n_kv_heads)] for _ in range(B)] for _ in range(CFG.n_layers)]
+        self.scores = torch.zeros(CFG.n_layers, B, CFG.n_kv_heads, N)
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        t, end = q.shape[1], self.length
+        budget = self.heavy + self.recent
+        for b in range(B):
+            for h in range(CFG.n_kv_heads):
+                kept, score = self.kept[layer][b][h], self.scores[layer, b, h].tolist()
+                if t == 1 and len(kept) == budget:  # make room: the lowest score outside the recent-1 newest
+                    kept.remove(min((a for a in kept if a <= end - 1 - self.recent), key=score.__getitem__))
+                kept.update(range(end - t, end))
+        out = super().attend(layer, q)
+        if t > 1:
+            for b in range(B):
+                for h in range(CFG.n_kv_heads):
+                    kept, score = self.kept[layer][b][h], self.scores[layer, b, h].tolist()
+                    best = sorted(kept, key=lambda a: (a >= end - self.recent, score[a]), reverse=True)[:budget]
+                    self.kept[layer][b][h] = set(best)
+        return out
+
+    def observe(self, layer: int, probs: torch.Tensor) -> None:
+        b, _, t, n = probs.shape
+        self.scores[layer, :, :, :n] += probs.view(b, CFG.n_kv_heads, -1, t, n).sum(dim=(2, 3))
+
+
+@pytest.mark.parametrize(
+    ("heavy", "recent", "schedule"), [(3, 4, SCHEDULE), (2, 1, [1] * N), (5, 2, [4, 12] + [1] * 24)]
+)
+def test_heavy_hitters_keep_the_top_scored_tokens_and_equal_the_masked_reference(
+    model, tokens, heavy, recent, schedule
+):
+    cache, oracle = HeavyHitterKVCache.for_model(model, B, heavy=heavy, recent=recent), H2OOracle(model, heavy, recent)
+    got, want = [], []
+
+    def compare_kept(_):
+        for layer in range(CFG.n_layers):
+            positions = cache.kept_positions(layer)
+            for b in range(B):
+                for h in range(CFG.n_kv_heads):
+                    assert set(positions[b, h].tolist()) == oracle.kept[layer][b][h], (layer, b, h)
+
+    start = 0
+    for n in schedule:  # in lockstep, so the kept sets are compared after every step
+        got.append(run(model, cache, tokens[:, start : start + n], [n]))
+        want.append(run(model, oracle, tokens[:, start : start + n], [n]))
+        start += n
+        compare_kept(start)
+    assert_close(torch.cat(got, dim=1), torch.cat(want, dim=1), **TOL)
+    scores = cache.attention_scores(0)
+    assert_close(scores, oracle.scores[0].gather(-1, cache.kept_positions(0)), rtol=1e-5, atol=1e-5)
+
+
+def test_heavy_hitters_decide_per_kv_head():
+    """Head 0's query matches token 1's key and head 1's matches token 2's: each head keeps its own heavy hitter."""
+    cache = HeavyHitterKVCache(n_layers=1, batch_size=1, n_kv_heads=2, head_dim=4, heavy=1, recent=2)
+    e = 3.0 * torch.eye(4)
+    keys = [torch.zeros(4), e[0], e[1], torch.zeros(4)]
+    q = torch.stack((e[0], e[1]))[None, None] * 2.0  # [B, T, H, D]; scaled so that 1/sqrt(D) gives logits of 9
+    for k in keys:
+        cache.reserve(1)
+        cache.append(0, k.expand(1, 1, 2, 4), torch.zeros(1, 1, 2, 4))
+        cache.attend(0, q)
+    # Scores before the last step: head 0 {0: ~1, 1: ~2, 2: ~0}, head 1 {0: ~1.5, 1: ~0.5, 2: ~1}; token 2 is
+    # recent, so head 0 evicts token 0 and head 1 evicts token 1.
+    assert [sorted(cache.kept_positions(0)[0, h].tolist()) for h in range(2)] == [[1, 2, 3], [0, 2, 3]]
+
+
+def test_heavy_hitters_without_heavy_slots_is_a_sliding_window(model, tokens):
+    h2o = HeavyHitterKVCache.for_model(model, B, heavy=0, recent=5)
+    window = WindowKVCache.for_model(model, B, window=5)
+    assert_close(run(model, h2o, tokens, [1] * N), run(model, window, tokens, [1] * N), **TOL)
+
+
+def test_heavy_hitters_fast_fill_then_decode(model):
+    cache = HeavyHitterKVCache.for_model(model, B, heavy=3, recent=4)
+    cache.fast_fill(30, generator=torch.Generator().manual_seed(0), chunk=8)
+    model.decode_step(torch.zeros(B, dtype=torch.long), cache)
+    positions = cache.kept_positions(0)
+    assert positions.shape == (B, CFG.n_kv_heads, 7) and cache.length == 7
+    assert set(range(27, 31)) <= set(positions[0, 0].tolist())
+
+
+# -- bytes, against hand counts -----------------------------------------------------------------------------------
+def test_window_bytes_match_a_hand_count(model, tokens):
+    cache = WindowKVCache.for_model(model, B, window=6, sinks=2)
+    allocated = cache.bytes_allocated()
+    run(model, cache, tokens)
+    per_token = 2 * 2 * 16 * 4  # K and V x 2 KV heads x head dim 16 x fp32, one layer
+    assert cache.bytes_stored() == B * 2 * (2 + 6) * per_token  # sinks + window per layer, not 40 tokens
+    assert cache.bytes_read_per_step() == B * 2 * 8 * per_token
+    assert cache.bytes_read_per_step(5) == B * 2 * 5 * per_token  # before the window fills, all of the context
+    assert cache.bytes_read_per_step(100_000) == B * 2 * 8 * per_token
+    assert cache.bytes_written_per_step() == B * 2 * per_token
+    assert cache.bytes_allocated() == allocated == B * 2 * 8 * per_token  # bounded, and never grew
+
+
+def test_per_layer_window_bytes_match_a_hand_count(model, tokens):
+    cache = WindowKVCache.for_model(model, B, 64, window=(4, None), sinks=1, kv_dtype="fp16")
+    run(model.to(torch.float16), cache, tokens)
+    model.float()
+    per_token = 2 * 2 * 16 * 2  # fp16
+    assert cache.bytes_stored() == B * (1 + 4 + N) * per_token  # the local layer holds 5, the global one all 40
+    assert cache.bytes_read_per_step(1000) == B * (5 + 1000) * per_token
+    assert cache.bytes_read_per_step(3) == B * (3 + 3) * per_token
+    assert cache.bytes_written_per_step() == B * 2 * per_token
+    assert cache.bytes_allocated() == B * (5 + 64) * per_token
+
+
+def test_heavy_hitter_bytes_match_a_hand_count(model, tokens):
+    cache = HeavyHitterKVCache.for_model(model, B, heavy=3, recent=4)
+    run(model, cache, tokens)
+    kv, layers, heads, budget = 2 * 2 * 16 * 4, 2, 2, 7  # kv: one token's K and V in one layer
+    score, position = 4, 8  # fp32 score and int64 position per kept slot and KV head
+    assert cache.bytes_stored() == B * layers * budget * (kv + heads * (score + position))
+    # A full step: K/V of the budget; the budget's scores read to add to; every slot's score and position read
+    # to choose the evicted one.
+    kept_read = B * layers * heads * budget * score
+    evict_read = B * layers * heads * budget * (score + position)
+    assert cache.score_bytes_read_per_step() == kept_read + evict_read
+    assert cache.bytes_read_per_step() == B * layers * budget * kv + kept_read + evict_read
+    assert cache.bytes_read_per_step(5) == B * layers * 5 * (kv + heads * score)  # not full: no eviction
+    # Writes: the new token's K/V, its score and position, and the budget's updated scores.
+    written = B * layers * (kv + heads * (score + position) + heads * budget * score)
+    assert cache.bytes_written_per_step() == written
+    assert cache.bytes_allocated() == B * layers * budget * (kv + heads * (score + position))
+
+
+# -- capacity and arguments ---------------------------------------------------------------------------------------
+def test_a_global_layer_is_bounded_by_capacity_and_a_full_cache_changes_nothing(model):
+    from kvlab import CacheCapacityError
+
+    cache = WindowKVCache.for_model(model, 1, 8, window=(2, None))
+    cache.fast_fill(6)
+    with pytest.raises(CacheCapacityError):
+        cache.reserve(3)
+    assert cache.n_seen == 6 and cache.length == 6
+    every_layer_local = WindowKVCache.for_model(model, 1, window=2, sinks=1)
+    every_layer_local.fast_fill(1000, chunk=64)
+    assert every_layer_local.capacity is None and every_layer_local.length == 3
+
+
+def _window(**kwargs):
+    args = dict(n_layers=2, batch_size=1, n_kv_heads=2, head_dim=16, window=4) | kwargs
+    return WindowKVCache(**args)
+
+
+def _h2o(**kwargs):
+    return HeavyHitterKVCache(**(dict(n_layers=2, batch_size=1, n_kv_heads=2, head_dim=16, heavy=2, recent=2) | kwargs))
+
+
+@pytest.mark.parametrize(
+    ("make", "kwargs", "message"),
+    [
+        (_window, dict(window=0), r"window: 0 .*allowed: an integer >= 1"),
+        (_window, dict(window=(4,)), r"window: .*allowed: .*2 entries"),
+        (_window, dict(window=(4, "8")), r"window\[1\]: '8' .*allowed: an integer >= 1"),
+        (_window, dict(window=True), r"window: True .*allowed"),
+        (_window, dict(sinks=-1), r"sinks: -1 .*allowed: an integer >= 0"),
+        (_window, dict(positions="relative"), r"positions: 'relative' .*allowed: 'original', 'reassigned'"),
+        (_window, dict(positions="reassigned"), r"rope: None .*allowed: the model's rope"),
+        (_window, dict(window=(4, None)), r"capacity: None .*allowed: an integer >= 1"),
+        (_window, dict(capacity=0), r"capacity: 0 .*allowed: an integer >= 1"),
+        (_window, dict(dtype="int8"), r"kv dtype: .*allowed: fp32, fp16, bf16"),
+        (_window, dict(batch_size=0), r"batch_size: 0 .*allowed: an integer >= 1"),
+        (_h2o, dict(heavy=-1), r"heavy: -1 .*allowed: an integer >= 0"),
+        (_h2o, dict(recent=0), r"recent: 0 .*allowed: an integer >= 1"),
+        (_h2o, dict(head_dim=2.5), r"head_dim: 2.5 .*allowed: an integer >= 1"),
+    ],
+)
+def test_bad_arguments_name_the_argument_and_the_allowed_values(make, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make(**kwargs)
+
+
+def test_bad_step_arguments_raise(model):
+    cache = WindowKVCache.for_model(model, 1, window=4)
+    with pytest.raises(ValueError, match=r"n_new: 0 .*allowed: an integer >= 1"):
+        cache.reserve(0)
+    with pytest.raises(ValueError, match=r"context: -1 .*allowed: an integer >= 0"):
+        cache.bytes_read_per_step(-1)
+    plain = Decoder(CFG, device="cpu")  # no layer_windows: the window must be given
+    with pytest.raises(ValueError, match=r"window: not given .*allowed"):
+        WindowKVCache.for_model(plain)
+    mla = MLAConfig(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+    latent = SimpleNamespace(cfg=ModelConfig(n_layers=2, d_model=64, n_heads=4, mla=mla))
+    with pytest.raises(ValueError, match=r"model: .*MLA.*allowed: an MHA, GQA or MQA model"):
+        HeavyHitterKVCache.for_model(latent, heavy=1, recent=1)
