@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.dtypes import TORCH_DTYPES, canonical_dtype
+from kvlab.validation import require_int
 
 RUNNABLE_ROPE_TYPES = ("default", "llama3")
 
@@ -34,13 +35,13 @@ class MLAConfig:
 
     def __post_init__(self) -> None:
         for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
-            _require_positive_int(f"mla.{name}", getattr(self, name))
+            require_int(f"mla.{name}", getattr(self, name))
         if self.qk_rope_head_dim % 2:
             raise ValueError(
                 f"mla.qk_rope_head_dim: {self.qk_rope_head_dim} is odd; allowed: an even number (RoPE rotates pairs)"
             )
         if self.q_lora_rank is not None:
-            _require_positive_int("mla.q_lora_rank", self.q_lora_rank)
+            require_int("mla.q_lora_rank", self.q_lora_rank)
 
     @property
     def cached_elements_per_layer(self) -> int:
@@ -86,10 +87,10 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "d_model", "n_heads", "vocab_size", "max_seq_len"):
-            _require_positive_int(name, getattr(self, name))
+            require_int(name, getattr(self, name))
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
-        _require_positive_int("n_kv_heads", self.n_kv_heads)
+        require_int("n_kv_heads", self.n_kv_heads)
         if self.n_heads % self.n_kv_heads:
             divisors = [k for k in range(1, self.n_heads + 1) if self.n_heads % k == 0]
             raise ValueError(
@@ -112,12 +113,12 @@ class ModelConfig:
                     "allowed: give head_dim explicitly, or a d_model that n_heads divides"
                 )
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
-        _require_positive_int("head_dim", self.head_dim)
+        require_int("head_dim", self.head_dim)
         if self.mla is None and self.head_dim % 2:  # MLA ropes only its qk_rope part, checked in MLAConfig
             raise ValueError(f"head_dim: {self.head_dim} is odd; allowed: an even number (RoPE rotates pairs)")
         if self.d_ff is None:
             object.__setattr__(self, "d_ff", _default_d_ff(self.d_model))
-        _require_positive_int("d_ff", self.d_ff)
+        require_int("d_ff", self.d_ff)
         for name in ("rope_theta", "norm_eps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
@@ -136,11 +137,11 @@ class ModelConfig:
                 )
             for i, w in enumerate(windows):
                 if w is not None:
-                    _require_positive_int(f"layer_windows[{i}]", w)
+                    require_int(f"layer_windows[{i}]", w)
             object.__setattr__(self, "layer_windows", windows)
         for name in ("n_params", "n_active_params"):
             if getattr(self, name) is not None:
-                _require_positive_int(name, getattr(self, name))
+                require_int(name, getattr(self, name))
 
     # -- derived shape -------------------------------------------------------------------------------------------
     @property
@@ -251,11 +252,6 @@ class ModelConfig:
             "mlp_bias": False,
             "torch_dtype": {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[self.dtype],
         }
-
-
-def _require_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name}: {value!r} is not allowed; allowed: a positive integer")
 
 
 def _default_d_ff(d_model: int) -> int:

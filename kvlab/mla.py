@@ -37,6 +37,7 @@ from kvlab.config import MLAConfig, ModelConfig
 from kvlab.dtypes import canonical_dtype, torch_dtype
 from kvlab.kernels import causal_attention, decode_attention
 from kvlab.model import Decoder, RMSNorm, apply_rope
+from kvlab.validation import require_int
 
 
 class MLAAttention(nn.Module):
@@ -138,8 +139,7 @@ class LatentKVCache(KVCache):
         device: str | torch.device = "cpu",
     ) -> None:
         for name, value in (("n_layers", n_layers), ("batch_size", batch_size), ("capacity", capacity)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}: {value!r} is not allowed; allowed: a positive integer")
+            require_int(name, value)
         self.n_layers, self.batch_size, self.capacity = n_layers, batch_size, capacity
         self.n_kv_heads, self.head_dim = 1, mla.cached_elements_per_layer
         self.kv_lora_rank = mla.kv_lora_rank

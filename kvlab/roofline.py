@@ -24,6 +24,7 @@ import torch
 from kvlab.config import ModelConfig
 from kvlab.device import resolve_device, synchronize
 from kvlab.dtypes import bytes_per_element, canonical_dtype, torch_dtype
+from kvlab.validation import require_int
 
 
 # -- parameter and byte counts ------------------------------------------------------------------------------------
@@ -62,7 +63,7 @@ def weight_bytes(cfg: ModelConfig, weight_dtype: str | None = None) -> int:
 
 def weight_bytes_read(cfg: ModelConfig, weight_dtype: str | None = None, batch: int = 1) -> int:
     """Bytes of weights one decode step reads: untied input embeddings contribute one row per sequence."""
-    _check_positive("batch", batch)
+    require_int("batch", batch)
     size = bytes_per_element(weight_dtype or cfg.dtype, "weight_dtype")
     params = cfg.n_active_params if cfg.n_active_params is not None else param_count(cfg)
     if not cfg.tie_embeddings:
@@ -101,11 +102,11 @@ def kv_tokens_read(
     - The first ``shared_prefix`` tokens are shared by every sequence in the batch; a shared-prefix (cascade)
       kernel reads the ones a layer keeps once per step, not once per sequence.
     """
-    _check_positive("context", context, allow_zero=True)
+    require_int("context", context, 0)
     if window is not None:
-        _check_positive("window", window)
-    _check_positive("sinks", sinks, allow_zero=True)
-    _check_positive("shared_prefix", shared_prefix, allow_zero=True)
+        require_int("window", window)
+    require_int("sinks", sinks, 0)
+    require_int("shared_prefix", shared_prefix, 0)
     if sinks and window is None:
         raise ValueError("sinks: only meaningful with a window; allowed: give window too, or sinks=0")
     if shared_prefix > context:
@@ -145,7 +146,7 @@ def kv_bytes_per_step(
     Honours the model's local layers, a ``window`` + ``sinks`` policy, and a ``shared_prefix`` read once per batch
     (see ``kv_tokens_read``).
     """
-    _check_positive("batch", batch)
+    require_int("batch", batch)
     size = bytes_per_element(kv_dtype or cfg.dtype, "kv_dtype")
     tokens = kv_tokens_read(cfg, context, window, sinks, shared_prefix)
     return round((tokens.shared + batch * tokens.per_sequence) * kv_elements_per_token_per_layer(cfg) * size)
@@ -224,12 +225,6 @@ def predict(
         tpot_ms=predict_tpot_ms(w + kv, bandwidth_gbps),
         tpot_ms_weights_only=predict_tpot_ms(w, bandwidth_gbps),
     )
-
-
-def _check_positive(name: str, value: int, allow_zero: bool = False) -> None:
-    low = 0 if allow_zero else 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}: {value!r}; allowed: an integer >= {low}")
 
 
 # -- measured ceilings --------------------------------------------------------------------------------------------

@@ -346,7 +346,7 @@ def test_paged_byte_counts_by_hand(gqa: Decoder) -> None:
 
 
 def test_bad_arguments_name_themselves(gqa: Decoder) -> None:
-    with pytest.raises(ValueError, match="block_size: 0 is not allowed; allowed: a positive integer"):
+    with pytest.raises(ValueError, match="block_size: 0 is not allowed; allowed: an integer >= 1"):
         PagedKVCache.for_model(gqa, n_blocks=4, block_size=0)
     paged = PagedKVCache.for_model(gqa, n_blocks=4, block_size=4)
     with pytest.raises(ValueError, match="prompts: lengths \\[3, 2\\]"):

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvlab.cache.base import CacheCapacityError
+from kvlab.validation import require_int
 
 
 class PoolExhaustedError(CacheCapacityError):
@@ -64,8 +65,7 @@ class BlockPool:
 
     def __init__(self, n_blocks: int, block_size: int) -> None:
         for name, value in (("n_blocks", n_blocks), ("block_size", block_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}: {value!r} is not allowed; allowed: a positive integer")
+            require_int(name, value)
         self.n_blocks, self.block_size = n_blocks, block_size
         self._ref = [0] * n_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(n_blocks))  # front is evicted first

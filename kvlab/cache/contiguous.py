@@ -9,6 +9,7 @@ import torch
 from kvlab.cache.base import CacheCapacityError, KVCache
 from kvlab.dtypes import canonical_dtype, torch_dtype
 from kvlab.kernels import causal_attention, decode_attention
+from kvlab.validation import require_int
 
 
 class ContiguousKVCache(KVCache):
@@ -35,8 +36,7 @@ class ContiguousKVCache(KVCache):
             ("n_kv_heads", n_kv_heads),
             ("head_dim", head_dim),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}: {value!r} is not allowed; allowed: a positive integer")
+            require_int(name, value)
         self.n_layers, self.batch_size, self.capacity = n_layers, batch_size, capacity
         self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
         self.dtype_name = canonical_dtype(dtype, "kv dtype", allowed=("fp32", "fp16", "bf16"))
@@ -67,8 +67,7 @@ class ContiguousKVCache(KVCache):
         return self._k_t.dtype
 
     def reserve(self, n_new: int) -> int:
-        if n_new <= 0:
-            raise ValueError(f"n_new: {n_new} is not allowed; allowed: a positive integer")
+        require_int("n_new", n_new)
         if self._length + n_new > self.capacity:
             raise CacheCapacityError(
                 f"KV cache full: {self._length} tokens stored, {n_new} more requested, capacity {self.capacity}. "

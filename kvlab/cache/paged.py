@@ -39,6 +39,7 @@ from kvlab.cache.block_pool import BlockPool
 from kvlab.cache.cascade import cascade_decode_attention, shared_prefix_blocks
 from kvlab.dtypes import canonical_dtype, torch_dtype
 from kvlab.kernels import causal_attention, decode_attention
+from kvlab.validation import require_int
 
 if TYPE_CHECKING:
     from kvlab.model import Decoder
@@ -67,10 +68,8 @@ class PagedKVCache(KVCache):
         cascade: bool = False,
     ) -> None:
         for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}: {value!r} is not allowed; allowed: a positive integer")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-            raise ValueError(f"batch_size: {batch_size!r} is not allowed; allowed: a positive integer")
+            require_int(name, value)
+        require_int("batch_size", batch_size)
         if not isinstance(cascade, bool):
             raise ValueError(f"cascade: {cascade!r} is not allowed; allowed: True or False")
         self.pool = BlockPool(n_blocks, block_size)

@@ -24,6 +24,7 @@ import torch
 
 from kvlab.cache.base import CacheCapacityError, KVCache
 from kvlab.dtypes import canonical_dtype, torch_dtype
+from kvlab.validation import require_int
 
 if TYPE_CHECKING:
     from kvlab.model import Decoder
@@ -54,12 +55,6 @@ def attention_with_probs(
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs.view(b, hkv, g * t, -1), v).view(b, hkv, g, t, d)
     return out, probs
-
-
-def require_int(name: str, value: object, low: int) -> None:
-    """Raise ``ValueError`` naming ``name`` unless ``value`` is an integer >= ``low``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}: {value!r} is not allowed; allowed: an integer >= {low}")
 
 
 def require_kv_heads(model: Decoder) -> None:

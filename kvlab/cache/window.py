@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvlab.cache.policies import PolicyKVCache, attention_with_probs, require_int, require_kv_heads
+from kvlab.cache.policies import PolicyKVCache, attention_with_probs, require_kv_heads
 from kvlab.kernels import causal_attention, decode_attention, window_mask
 from kvlab.model import apply_rope
+from kvlab.validation import require_int
 
 if TYPE_CHECKING:
     from kvlab.model import Decoder, RotaryEmbedding
