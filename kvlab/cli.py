@@ -122,7 +122,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
         raise UsageError("--sinks: needs --window; allowed: --window W --sinks S (a step reads S + W tokens)")
     if shared > context:
         raise UsageError(f"--shared-prefix: {shared} tokens; allowed: at most --context ({context})")
-    p = predict(cfg, context, bandwidth, batch, wd, kd, window=window, sinks=sinks, shared_prefix=shared)
+    group = _positive_int(args.group_size, "--group-size") if args.group_size else None
+    p = predict(cfg, context, bandwidth, batch, wd, kd, window, sinks, shared, group)
     memory_needed = p.weight_bytes + p.kv_bytes
     if args.json:
         out = p.to_dict() | {"attention": cfg.attention_kind, "memory_needed_bytes": memory_needed}
@@ -147,6 +148,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
         print(f"{key:<{width}}  {value}")
     if memory_gb is not None and memory_needed > memory_gb * 1e9:
         print(f"note: weights + KV need {_gb(memory_needed)}, more than one {gpu.name}'s {memory_gb:g} GB")
+    if p.kv_dtype in ("fp8", "int8", "int4") and p.group_size is None:
+        print("note: payload only; pass --group-size G to count the scales and zero points the codec stores")
     if args.model and not params_verified(cfg.name):
         print(f"note: {cfg.name}'s parameter count is not verified; weights are counted from its shape")
     if cfg.layer_windows and any(w is not None for w in cfg.layer_windows):
@@ -253,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", help="keep only the W most recent tokens (plus --sinks); a step reads S + W")
     p.add_argument("--sinks", default="0", help="first tokens kept with --window (StreamingLLM's 4)")
     p.add_argument("--shared-prefix", help="tokens shared by the whole batch and read once per step")
+    p.add_argument("--group-size", help="elements sharing one scale/zero point in a quantized KV cache")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_predict)
 

@@ -174,6 +174,7 @@ class Decoder(nn.Module):
         """A cache for this model; ``capacity`` defaults to ``max_seq_len``.
 
         Contiguous for global attention; a window cache when some layers are local (they keep only their window);
+        a quantized cache (KIVI grouping, default group size and residual) for ``kv_dtype`` fp8, int8 or int4;
         the latent cache for MLA.
         """
         cfg = self.cfg
@@ -183,6 +184,19 @@ class Decoder(nn.Module):
             from kvlab.cache.window import WindowKVCache  # imported here: the window cache builds on this module
 
             return WindowKVCache.for_model(self, batch_size, capacity, kv_dtype=dtype)
+        if dtype not in ("fp32", "fp16", "bf16"):
+            from kvlab.cache.quantized import QuantizedKVCache  # imported here: codecs are optional machinery
+
+            return QuantizedKVCache(
+                cfg.n_layers,
+                batch_size,
+                capacity,
+                cfg.n_kv_heads,
+                cfg.head_dim,
+                codec=dtype,
+                residual_dtype=cfg.dtype,
+                device=self.device,
+            )
         if cfg.mla is not None:
             from kvlab.mla import LatentKVCache
 

@@ -78,9 +78,22 @@ def kv_elements_per_token_per_layer(cfg: ModelConfig) -> int:
     return 2 * cfg.n_kv_heads * cfg.head_dim
 
 
-def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str | None = None) -> int:
+def kv_element_bytes(kv_dtype: str, group_size: int | None = None) -> float:
+    """Bytes per cached element: the payload, plus, with ``group_size``, the scale (and zero point) that each group
+    of that many elements shares, as kvlab's codecs store them (KIVI grouping: keys per channel, values per token,
+    one set of statistics per ``group_size`` elements either way). A full-precision residual window is not counted.
+    """
+    if group_size is None:
+        return bytes_per_element(kv_dtype, "kv_dtype")
+    require_int("group_size", group_size)
+    from kvlab.cache.codecs import get_codec  # the codecs are the one place that knows the stored layout
+
+    return get_codec(canonical_dtype(kv_dtype, "kv_dtype")).stored_bytes((group_size,), 0, group_size) / group_size
+
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str | None = None, group_size: int | None = None) -> int:
     """Bytes one token of one sequence caches across all layers: 2 x layers x KV heads x head dim x bytes."""
-    size = bytes_per_element(kv_dtype or cfg.dtype, "kv_dtype")
+    size = kv_element_bytes(kv_dtype or cfg.dtype, group_size)
     return round(cfg.n_layers * kv_elements_per_token_per_layer(cfg) * size)
 
 
@@ -140,6 +153,7 @@ def kv_bytes_per_step(
     window: int | None = None,
     sinks: int = 0,
     shared_prefix: int = 0,
+    group_size: int | None = None,
 ) -> int:
     """KV bytes one decode step reads for the whole batch, each sequence attending over ``context`` tokens.
 
@@ -147,7 +161,7 @@ def kv_bytes_per_step(
     (see ``kv_tokens_read``).
     """
     require_int("batch", batch)
-    size = bytes_per_element(kv_dtype or cfg.dtype, "kv_dtype")
+    size = kv_element_bytes(kv_dtype or cfg.dtype, group_size)
     tokens = kv_tokens_read(cfg, context, window, sinks, shared_prefix)
     return round((tokens.shared + batch * tokens.per_sequence) * kv_elements_per_token_per_layer(cfg) * size)
 
@@ -178,6 +192,7 @@ class Prediction:
     window: int | None
     sinks: int
     shared_prefix: int
+    group_size: int | None
     bandwidth_gbps: float
     weight_bytes: int
     weight_bytes_read: int
@@ -201,12 +216,13 @@ def predict(
     window: int | None = None,
     sinks: int = 0,
     shared_prefix: int = 0,
+    group_size: int | None = None,
 ) -> Prediction:
     """The whole breakdown for one step at ``context`` tokens and ``batch`` sequences (see ``kv_tokens_read``)."""
     weight_dtype = canonical_dtype(weight_dtype or cfg.dtype, "weight_dtype")
     kv_dtype = canonical_dtype(kv_dtype or cfg.dtype, "kv_dtype")
     w = weight_bytes(cfg, weight_dtype)
-    kv = kv_bytes_per_step(cfg, context, batch, kv_dtype, window, sinks, shared_prefix)
+    kv = kv_bytes_per_step(cfg, context, batch, kv_dtype, window, sinks, shared_prefix, group_size)
     return Prediction(
         model=cfg.name,
         context=context,
@@ -216,10 +232,11 @@ def predict(
         window=window,
         sinks=sinks,
         shared_prefix=shared_prefix,
+        group_size=group_size,
         bandwidth_gbps=bandwidth_gbps,
         weight_bytes=w,
         weight_bytes_read=weight_bytes_read(cfg, weight_dtype, batch),
-        kv_bytes_per_token=kv_bytes_per_token(cfg, kv_dtype),
+        kv_bytes_per_token=kv_bytes_per_token(cfg, kv_dtype, group_size),
         kv_bytes=kv,
         bytes_per_step=w + kv,
         tpot_ms=predict_tpot_ms(w + kv, bandwidth_gbps),

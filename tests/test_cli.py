@@ -60,6 +60,8 @@ def test_predict_window_sinks_and_shared_prefix(capsys):
     assert windowed["kv_bytes"] == 8 * 1024 * per_token
     assert shared["kv_bytes"] == (16384 + 8 * 16384) * per_token
     assert (windowed["window"], windowed["sinks"], shared["shared_prefix"]) == (1020, 4, 16384)
+    int4 = json.loads(run(capsys, *base, "--kv-dtype", "int4", "--group-size", "32")[1])
+    assert int4["kv_bytes_per_token"] == per_token * (0.5 + 4 / 32) / 2  # bf16 is 2 bytes an element
 
 
 def test_predict_reads_a_hugging_face_config(tmp_path, capsys):
@@ -100,6 +102,10 @@ def test_predict_reads_a_hugging_face_config(tmp_path, capsys):
             ["--shared-prefix", "at most"],
         ),
         (["predict", "--model", "llama-3.1-8b", "--bandwidth", "9", "--context", "9", "--window", "0"], ["--window"]),
+        (
+            ["predict", "--model", "llama-3.1-8b", "--bandwidth", "9", "--context", "9", "--group-size", "x"],
+            ["--group-size"],
+        ),
         (["bench", "--preset", "mixtral-8x7b"], ["--preset", "cannot run yet", "mixture-of-experts"]),
         (["bench", "--fill", "slow"], ["--fill", "prefill"]),
         (["frobnicate"], ["predict", "bench"]),

@@ -139,3 +139,28 @@ def test_shared_prefix_is_read_once_per_batch():
     )
     with pytest.raises(ValueError, match="shared_prefix"):
         kv_bytes_per_step(cfg, 100, shared_prefix=101)
+
+
+def test_group_size_counts_scales_and_zero_points_as_the_codecs_store_them():
+    from kvlab.roofline import kv_element_bytes
+
+    assert kv_element_bytes("int8", 64) == 1 + (2 + 2) / 64  # fp16 scale and zero point per group
+    assert kv_element_bytes("int4", 32) == 0.5 + 4 / 32
+    assert kv_element_bytes("fp8", 32) == 1 + 2 / 32  # a scale, no zero point
+    assert kv_element_bytes("bf16", 32) == kv_element_bytes("bf16") == 2
+    cfg = get_model("llama-3.1-8b")
+    assert kv_bytes_per_token(cfg, "int4", group_size=32) == 2 * 32 * 8 * 128 * 0.625
+    with pytest.raises(ValueError, match="group_size"):
+        kv_element_bytes("int8", 0)
+
+
+def test_byte_model_agrees_with_a_quantized_cache_with_no_residual():
+    from kvlab import Decoder
+    from kvlab.cache import QuantizedKVCache
+
+    cfg = ModelConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=96, vocab_size=50, max_seq_len=256)
+    model = Decoder(cfg, device="cpu")
+    for codec in ("int8", "int4", "fp8"):
+        cache = QuantizedKVCache(2, 1, 128, 2, 16, codec=codec, group_size=16, residual=0)
+        cache.fast_fill(64)
+        assert cache.bytes_stored() == 64 * kv_bytes_per_token(model.cfg, codec, group_size=16), codec

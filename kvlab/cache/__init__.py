@@ -6,6 +6,8 @@ from kvlab.cache.cascade import cascade_decode_attention
 from kvlab.cache.contiguous import ContiguousKVCache
 from kvlab.cache.heavy_hitters import HeavyHitterKVCache
 from kvlab.cache.paged import PagedKVCache
+from kvlab.cache.quantized import QuantizedKVCache
+from kvlab.cache.shared_prefix import SharedPrefixKVCache
 from kvlab.cache.window import WindowKVCache
 
 __all__ = [
@@ -16,6 +18,8 @@ __all__ = [
     "KVCache",
     "PagedKVCache",
     "PoolExhaustedError",
+    "QuantizedKVCache",
+    "SharedPrefixKVCache",
     "WindowKVCache",
     "cascade_decode_attention",
 ]

@@ -1,0 +1,422 @@
+"""A KV cache that stores keys and values quantized, KIVI-style, and attends over the compressed bytes.
+
+Layout, per layer (``B`` batch, ``Hkv`` KV heads, ``S`` tokens stored, ``D`` head dim):
+
+- the *quantized* part holds the oldest ``Q`` tokens, a multiple of ``group_size`` (G), encoded by a codec
+  from ``kvlab.cache.codecs`` as ``[B, Hkv, Q, D]``. Keys are grouped per channel (G consecutive tokens share
+  each channel's scale, KIVI's answer to outlier channels) or, with ``key_quant="per-token"``, per token (G
+  consecutive channels share a scale). Values are always grouped per token.
+- the *residual* holds the newest ``S - Q`` tokens at full precision, in a ring of ``min(capacity, R + G - 1)``
+  slots. A token stays there until the oldest G residual tokens form a whole group and at least ``R`` newer
+  tokens remain; then that group is quantized. So the residual holds ``R .. R + G - 1`` tokens once the cache
+  is longer than ``R``, and a residual of at least ``capacity`` tokens never quantizes anything.
+
+Three attention paths, chosen by ``attention``:
+
+- ``"chunked"`` reads the compressed bytes a chunk of tokens at a time: it dequantizes that chunk only, into a
+  small reused buffer, and merges the chunks' partial attention with a running max and sum (online softmax).
+  No full-precision copy of the cache is ever built.
+- ``"naive"`` dequantizes the whole cache into a full-precision copy every step, then attends over the copy.
+  It stores the same bytes as ``"chunked"`` but moves 8 more bytes per element (the fp32 copy, written and
+  read back): for int8, about 9x what it stores.
+- ``"int-dot"`` (int8, per-token keys) computes ``q . k`` as integer dot products on the stored int8 codes: q
+  is quantized to int8 too (one scale per query head) and each key's scale factors out of its dot product.
+  Per-channel keys would need q rescaled for every token group, so they cannot share one integer matmul.
+  Values are read chunk by chunk with their per-token scales folded into the softmax weights, so a chunk is
+  converted to fp32 but never scaled. Steps with more than one new token (prefill) take the chunked path:
+  the integer path is a decode kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+
+from kvlab.cache.base import CacheCapacityError, KVCache
+from kvlab.cache.codecs import Codec, Encoded, IntCodec, get_codec
+from kvlab.dtypes import canonical_dtype, torch_dtype
+from kvlab.kernels import causal_attention, decode_attention
+from kvlab.validation import require_int
+
+ATTENTION_PATHS: tuple[str, ...] = ("chunked", "naive", "int-dot")
+KEY_QUANT: tuple[str, ...] = ("per-channel", "per-token")
+_TOKEN_DIM, _CHANNEL_DIM = 2, 3  # dims of a [B, Hkv, S, D] store
+
+
+class QuantizedKVCache(KVCache):
+    """KIVI-style quantized K/V (see the module docstring) behind the ``KVCache`` interface.
+
+    ``codec``: a name from ``kvlab.cache.codecs.CODECS`` (or a ``Codec``). ``group_size``: G, tokens per key
+    group (per-channel keys) and channels per value group. ``residual``: R, the newest tokens kept at
+    ``residual_dtype``. ``chunk_size``: tokens per chunk the chunked path dequantizes at a time (a multiple of G,
+    so a chunk owns whole key groups).
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        batch_size: int,
+        capacity: int,
+        n_kv_heads: int,
+        head_dim: int,
+        codec: str | Codec = "int8",
+        group_size: int = 32,
+        residual: int = 128,
+        attention: str = "chunked",
+        chunk_size: int = 512,
+        key_quant: str = "per-channel",
+        residual_dtype: str | torch.dtype = "fp32",
+        device: str | torch.device = "cpu",
+    ) -> None:
+        for name, value in (
+            ("n_layers", n_layers),
+            ("batch_size", batch_size),
+            ("capacity", capacity),
+            ("n_kv_heads", n_kv_heads),
+            ("head_dim", head_dim),
+            ("group_size", group_size),
+            ("chunk_size", chunk_size),
+        ):
+            require_int(name, value)
+        require_int("residual", residual, 0)
+        if chunk_size % group_size:
+            raise ValueError(
+                f"chunk_size: {chunk_size} is not allowed; allowed: a positive multiple of group_size={group_size}"
+            )
+        self.codec = get_codec(codec)
+        if attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention: unknown {attention!r}; allowed: {', '.join(ATTENTION_PATHS)}")
+        if key_quant not in KEY_QUANT:
+            raise ValueError(f"key_quant: unknown {key_quant!r}; allowed: {', '.join(KEY_QUANT)}")
+        if attention == "int-dot" and (self.codec.name != "int8" or key_quant != "per-token"):
+            raise ValueError(
+                f"attention: 'int-dot' needs codec='int8' and key_quant='per-token' (got {self.codec.name!r}, "
+                f"{key_quant!r}); allowed: {', '.join(ATTENTION_PATHS)}, with 'int-dot' only for those two"
+            )
+        self.n_layers, self.batch_size, self.capacity = n_layers, batch_size, capacity
+        self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
+        self.group_size, self.residual, self.chunk_size = group_size, residual, chunk_size
+        self.attention, self.key_quant = attention, key_quant
+        self.residual_dtype = canonical_dtype(residual_dtype, "residual_dtype", allowed=("fp32", "fp16", "bf16"))
+        self._key_dim = _TOKEN_DIM if key_quant == "per-channel" else _CHANNEL_DIM
+
+        store = (batch_size, n_kv_heads, self._n_quantized(capacity), head_dim)
+        self._k = [self.codec.empty(store, self._key_dim, group_size, device) for _ in range(n_layers)]
+        self._v = [self.codec.empty(store, _CHANNEL_DIM, group_size, device) for _ in range(n_layers)]
+        self._ring_slots = min(capacity, residual + group_size - 1)
+        ring = (n_layers, batch_size, n_kv_heads, self._ring_slots, head_dim)
+        rdtype = torch_dtype(self.residual_dtype)
+        self._ring_k = list(torch.zeros(ring, dtype=rdtype, device=device).unbind(0))
+        self._ring_v = list(torch.zeros(ring, dtype=rdtype, device=device).unbind(0))
+        # Scratch, allocated once: the chunked path's per-chunk buffers, or the naive path's full copy of a layer.
+        scratch_tokens = capacity if attention == "naive" else chunk_size
+        self._scratch = torch.empty(2, batch_size, n_kv_heads, scratch_tokens, head_dim, device=device)
+        self._scale = 1.0 / math.sqrt(head_dim)
+        self.reset()
+
+    # -- the KVCache interface -----------------------------------------------------------------------------------
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def device(self) -> torch.device:
+        return self._scratch.device
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """K/V arrive at ``residual_dtype``: the residual keeps them as they came, until they are quantized."""
+        return self._ring_k[0].dtype
+
+    def reserve(self, n_new: int) -> int:
+        require_int("n_new", n_new)
+        if self._length + n_new > self.capacity:
+            raise CacheCapacityError(
+                f"KV cache full: {self._length} tokens stored, {n_new} more requested, capacity {self.capacity}. "
+                "Create the cache with a larger capacity, or use an eviction policy."
+            )
+        self._start, self._length = self._length, self._length + n_new
+        self._quant_start, self._quant = self._quant, self._n_quantized(self._length)
+        return self._start
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        new = (k.transpose(1, 2), v.transpose(1, 2))  # [B, Hkv, T, D]
+        q0, q1, s0 = self._quant_start, self._quant, self._start
+        stores = (self._k[layer], self._v[layer])
+        rings = (self._ring_k[layer], self._ring_v[layer])
+        if q1 > q0:
+            # Tokens q0 .. q1-1 complete their groups: encode them (from the ring and, in a long step, from the new
+            # tokens) before the new tokens are written, since those may take their ring slots.
+            for store, ring, x in zip(stores, rings, new, strict=True):
+                leaving = torch.cat([*self._ring_views(ring, q0, min(q1, s0)), x[:, :, : max(q1 - s0, 0)]], dim=2)
+                store.narrow(_TOKEN_DIM, q0, q1 - q0).copy_(
+                    self.codec.encode(leaving, store.group_dim, store.group_size)
+                )
+        first = max(q1, s0)
+        for ring, x in zip(rings, new, strict=True):
+            for pos, slot, n in self._ring_spans(first, self._length):
+                ring[:, :, slot : slot + n] = x[:, :, pos - s0 : pos - s0 + n]
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        b, t, h, d = q.shape
+        g = h // self.n_kv_heads
+        if self.attention == "naive":
+            k, v = self._dequantize_into(layer, *self._scratch[:, :, :, : self._length].unbind(0))
+            if t == 1:
+                qs = (q.float() * self._scale).view(b, self.n_kv_heads, g, d)
+                return decode_attention(qs, k.transpose(-1, -2), v).view(b, 1, h, d).to(q.dtype)
+            return causal_attention(q.float().transpose(1, 2), k, v, q_start=self._start).transpose(1, 2).to(q.dtype)
+        # Rows of the query matrix are (query head in group, new token): [B, Hkv, g * t, D].
+        qs = (q.float() * self._scale).view(b, t, self.n_kv_heads, g, d).permute(0, 2, 3, 1, 4).reshape(b, -1, g * t, d)
+        if self.attention == "int-dot" and t == 1:
+            out = self._attend_int_dot(layer, qs)
+        else:
+            q_pos = torch.arange(self._start, self._length, device=q.device).repeat(g)
+            out = online_softmax_attention(qs, self._chunks(layer), q_pos)
+        return out.view(b, self.n_kv_heads, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h, d).to(q.dtype)
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized copies (not views: the stored form is compressed), ``[B, Hkv, S, D]`` fp32 each."""
+        shape = (self.batch_size, self.n_kv_heads, self._length, self.head_dim)
+        return self._dequantize_into(
+            layer, torch.empty(shape, device=self.device), torch.empty(shape, device=self.device)
+        )
+
+    def reset(self) -> None:
+        self._length = self._start = self._quant = self._quant_start = 0
+
+    # -- bytes ----------------------------------------------------------------------------------------------------
+    @property
+    def element_bytes(self) -> float:
+        """Bytes per K or V element once quantized, scales and zero points included (a whole group's average)."""
+        g = self.group_size
+        return self._quantized_bytes(g) / (2 * self.n_layers * self.batch_size * self.n_kv_heads * g * self.head_dim)
+
+    def bytes_stored(self) -> int:
+        """Payload + scales + zero points of the quantized tokens, plus the full-precision residual tokens."""
+        return self._stored_bytes(self._length)
+
+    def bytes_allocated(self) -> int:
+        """Every K/V byte this cache holds allocated: stores sized for ``capacity``, the ring, and the scratch
+        buffers (the naive path's is a full-precision layer, so it allocates more than the quantized stores)."""
+        tensors = [self._scratch, *self._ring_k, *self._ring_v]
+        return sum(t.numel() * t.element_size() for t in tensors) + sum(e.nbytes for e in self._k + self._v)
+
+    def bytes_read_per_step(self, context: int | None = None) -> int:
+        """K/V bytes a decode step moves when it attends over ``context`` tokens (default: ``length``).
+
+        ``"chunked"`` and ``"int-dot"`` read the stored bytes once: what ``bytes_stored`` counts at that context.
+        ``"naive"`` reads them too, then writes a full-precision (fp32) copy of every token's K and V and reads
+        that copy again to attend: ``stored + 2 * copy``. The copy's write is counted here, with the reads,
+        because it is traffic the step's attention costs; ``bytes_written_per_step`` counts what the cache keeps.
+        """
+        context = self._length if context is None else context
+        require_int("context", context, 0)
+        stored = self._stored_bytes(context)
+        if self.attention != "naive":
+            return stored
+        copy = 2 * self.n_layers * self.batch_size * self.n_kv_heads * context * self.head_dim * 4
+        return stored + 2 * copy
+
+    def bytes_written_per_step(self) -> int:
+        """K/V bytes the next decode step stores: its token at full precision in the residual and, on the step that
+        completes a group, that group quantized (G-1 steps in G write no quantized bytes, one writes a group's)."""
+        n = self._length
+        q0, q1 = self._n_quantized(n), self._n_quantized(n + 1)
+        residual = self._residual_bytes(1) if n >= q1 else 0
+        return self._quantized_bytes(q1) - self._quantized_bytes(q0) + residual
+
+    def _n_quantized(self, n_tokens: int) -> int:
+        return max(n_tokens - self.residual, 0) // self.group_size * self.group_size
+
+    def _quantized_bytes(self, n_tokens: int) -> int:
+        shape = (self.batch_size, self.n_kv_heads, n_tokens, self.head_dim)
+        per_layer = self.codec.stored_bytes(shape, self._key_dim, self.group_size) + self.codec.stored_bytes(
+            shape, _CHANNEL_DIM, self.group_size
+        )
+        return self.n_layers * per_layer
+
+    def _residual_bytes(self, n_tokens: int) -> int:
+        itemsize = torch_dtype(self.residual_dtype).itemsize
+        return 2 * self.n_layers * self.batch_size * self.n_kv_heads * n_tokens * self.head_dim * itemsize
+
+    def _stored_bytes(self, n_tokens: int) -> int:
+        n_quant = self._n_quantized(n_tokens)
+        return self._quantized_bytes(n_quant) + self._residual_bytes(n_tokens - n_quant)
+
+    # -- reading ----------------------------------------------------------------------------------------------------
+    def _ring_spans(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """Positions ``start .. end-1`` of the residual as ``(position, ring slot, count)`` runs, in position order."""
+        spans = []
+        while start < end:
+            slot = start % self._ring_slots
+            n = min(end - start, self._ring_slots - slot)
+            spans.append((start, slot, n))
+            start += n
+        return spans
+
+    def _ring_views(self, ring: torch.Tensor, start: int, end: int) -> list[torch.Tensor]:
+        return [ring[:, :, slot : slot + n] for _, slot, n in self._ring_spans(start, end)]
+
+    def _dequantize_into(
+        self, layer: int, k_out: torch.Tensor, v_out: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write all ``S`` tokens of a layer, fp32, into ``k_out``, ``v_out`` (``[B, Hkv, S, D]``); return them."""
+        for store, ring, out in (
+            (self._k[layer], self._ring_k[layer], k_out),
+            (self._v[layer], self._ring_v[layer], v_out),
+        ):
+            if self._quant:
+                self.codec.decode(store.narrow(_TOKEN_DIM, 0, self._quant), out=out[:, :, : self._quant])
+            for pos, slot, n in self._ring_spans(self._quant, self._length):
+                out[:, :, pos : pos + n] = ring[:, :, slot : slot + n]
+        return k_out, v_out
+
+    def _chunks(self, layer: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+        """``(k, v, first position)`` per chunk of at most ``chunk_size`` tokens, fp32 ``[B, Hkv, n, D]``, in position
+        order. A quantized chunk is decoded into the scratch buffers, which the next chunk overwrites."""
+        k_buf, v_buf = self._scratch.unbind(0)
+        for start in range(0, self._quant, self.chunk_size):
+            n = min(self.chunk_size, self._quant - start)
+            k = self.codec.decode(self._k[layer].narrow(_TOKEN_DIM, start, n), out=k_buf[:, :, :n])
+            v = self.codec.decode(self._v[layer].narrow(_TOKEN_DIM, start, n), out=v_buf[:, :, :n])
+            yield k, v, start
+        for pos, slot, n in self._ring_spans(self._quant, self._length):
+            for offset in range(0, n, self.chunk_size):
+                m = min(self.chunk_size, n - offset)
+                window = slice(slot + offset, slot + offset + m)
+                yield self._ring_k[layer][:, :, window].float(), self._ring_v[layer][:, :, window].float(), pos + offset
+
+    def _attend_int_dot(self, layer: int, qs: torch.Tensor) -> torch.Tensor:
+        """Decode attention with integer ``q . k`` over the quantized tokens. ``qs``: ``[B, Hkv, g, D]``, scaled."""
+        n_quant = self._quant
+        keys = self._k[layer].narrow(_TOKEN_DIM, 0, n_quant)
+        values = self._v[layer].narrow(_TOKEN_DIM, 0, n_quant)
+        ring_k = self._ring_views(self._ring_k[layer], n_quant, self._length)
+        ring_v = self._ring_views(self._ring_v[layer], n_quant, self._length)
+        residual_scores = [torch.matmul(qs, k.float().transpose(-1, -2)) for k in ring_k]
+        p = torch.softmax(torch.cat([int8_key_scores(qs, keys, self.codec), *residual_scores], dim=-1), dim=-1)
+        out = folded_value_product(p[..., :n_quant], values, self.codec, self._scratch[1])
+        start = n_quant
+        for v in ring_v:
+            out.add_(torch.matmul(p[..., start : start + v.shape[2]], v.float()))
+            start += v.shape[2]
+        return out
+
+
+def online_softmax_attention(
+    q: torch.Tensor, chunks: Iterator[tuple[torch.Tensor, torch.Tensor, int]], q_pos: torch.Tensor
+) -> torch.Tensor:
+    """Causal attention over keys and values that arrive a chunk at a time (FlashAttention's running softmax).
+
+    ``q``: ``[B, Hkv, M, D]``, already scaled by ``1/sqrt(D)``; ``q_pos``: ``[M]``, each row's position.
+    ``chunks``: ``(k, v, start)`` with ``k``, ``v``: ``[B, Hkv, n, D]`` at positions ``start .. start+n-1``, in
+    position order, the first holding position 0 (so every row sees a key in the first chunk and its running max
+    is finite from then on). Returns ``[B, Hkv, M, D]``.
+    """
+    row_max = torch.full((*q.shape[:-1], 1), -math.inf, device=q.device)
+    row_sum = torch.zeros_like(row_max)
+    acc = torch.zeros_like(q)
+    first_query = int(q_pos.min())
+    for k, v, start in chunks:
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        n = k.shape[-2]
+        if start + n - 1 > first_query:
+            key_pos = torch.arange(start, start + n, device=q.device)
+            scores.masked_fill_(key_pos[None, :] > q_pos[:, None], -math.inf)
+        new_max = torch.maximum(row_max, scores.amax(dim=-1, keepdim=True))
+        correction = torch.exp(row_max - new_max)
+        p = torch.exp(scores.sub_(new_max))
+        row_sum = row_sum * correction + p.sum(dim=-1, keepdim=True)
+        acc = acc * correction + torch.matmul(p, v)
+        row_max = new_max
+    return acc / row_sum
+
+
+def int8_key_scores(qs: torch.Tensor, keys: Encoded, codec: IntCodec) -> torch.Tensor:
+    """``q . k`` for int8 keys grouped per token, computed as integer dot products on the stored codes.
+
+    ``qs``: ``[B, Hkv, g, D]`` fp32; ``keys``: ``[B, Hkv, S, D]`` int8, grouped on the channel dim (dim 3) in
+    ``nJ`` groups of G. Returns ``[B, Hkv, g, S]``. With ``k ~= scale * code + bias`` per (token, channel group)
+    and q quantized per row as ``q ~= sigma * qi``, channel group j contributes
+    ``sigma * scale_j * (qi_j . code_j) + bias_j * sum(q_j)``: one int8 matmul per head, then fp32 work over
+    ``[nJ, g, S]`` only, ``D / (g * nJ)`` times less than the keys.
+    """
+    b, h, g, d = qs.shape
+    n_tokens, n_groups = keys.shape[2], math.ceil(d / keys.group_size)
+    sigma = qs.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127
+    qi = torch.round(qs / sigma).to(torch.int8)
+    # Row (j, r) of the left operand keeps query r's channels of group j and zeros elsewhere, so one matmul per
+    # head returns every group's partial dot products while reading the codes once. Built fresh, so each
+    # [rows, D] slice has ordinary strides: torch 2.13's CPU _int_mm returns wrong sums for a [1, D] operand
+    # with strides (1, 1), the kind a transposed column has.
+    blocks = (qi.unsqueeze(2) * _group_mask(d, keys.group_size, qs.device)[:, None, :]).reshape(b, h, -1, d)
+    dots = torch.empty(b, h, n_groups * g, n_tokens, dtype=torch.int32, device=qs.device)
+    for bi in range(b):
+        for hd in range(h):
+            # Codes as a transposed view on the right ran several times faster on CPU than codes @ q.T.
+            torch._int_mm(blocks[bi, hd], keys.payload[bi, hd].T, out=dots[bi, hd])
+    scale = keys.scale.float().transpose(-1, -2).unsqueeze(-2)  # [B, Hkv, nJ, 1, S]
+    weighted = (dots.view(b, h, n_groups, g, n_tokens).float() * scale).sum(dim=2)
+    q_sums = torch.matmul(qs, _group_mask(d, keys.group_size, qs.device).T.float())  # [B, Hkv, g, nJ]
+    scores = torch.matmul(q_sums, codec.bias(keys).transpose(-1, -2))  # the bias terms, [B, Hkv, g, S]
+    return scores.addcmul_(weighted, sigma)
+
+
+def folded_value_product(p: torch.Tensor, values: Encoded, codec: IntCodec, buf: torch.Tensor) -> torch.Tensor:
+    """``p @ decode(values)`` for integer values grouped per token, with the scales folded into ``p``.
+
+    ``p``: ``[B, Hkv, M, n]``; ``values``: ``[B, Hkv, n, D]`` grouped on the channel dim in ``nJ`` groups;
+    ``buf``: fp32 scratch ``[B, Hkv, c, D]``, whose length ``c`` sets the chunk. Returns ``[B, Hkv, M, D]``.
+    Since ``v ~= scale * code + bias`` per (token, channel group), channel group j of the result is
+    ``(p * scale_j) @ code_j + p @ bias_j``. The codes are converted to fp32 a chunk at a time and never scaled
+    (dequantizing would cost two more passes over each chunk); each chunk takes one matmul for all groups.
+    """
+    b, h, m, n = p.shape
+    size, d, chunk = values.group_size, values.shape[-1], buf.shape[2]
+    n_groups = math.ceil(d / size)
+    # [B*Hkv, nJ*M, n]: p scaled by each channel group's per-token scale; rows of group j are only kept for
+    # group j's channels at the end, so one matmul per chunk serves every group.
+    weights = (p.unsqueeze(2) * values.scale.float().transpose(-1, -2).unsqueeze(3)).reshape(b * h, n_groups * m, n)
+    acc = torch.zeros(b * h, n_groups * m, d, device=p.device)
+    for start in range(0, n, chunk):
+        c = min(chunk, n - start)
+        codes = buf[:, :, :c].copy_(codec.codes(values.narrow(_TOKEN_DIM, start, c)))
+        acc.baddbmm_(weights[..., start : start + c], codes.view(b * h, c, d))
+    acc = acc.view(b, h, n_groups, m, d)
+    out = torch.cat([acc[:, :, j, :, lo : lo + size] for j, lo in enumerate(range(0, d, size))], dim=-1)
+    return out.add_(torch.matmul(p, codec.bias(values)).repeat_interleave(size, dim=-1)[..., :d])
+
+
+def _group_mask(d: int, size: int, device: torch.device) -> torch.Tensor:
+    """``[nJ, D]`` bool: channel c belongs to group ``c // size``."""
+    channels = torch.arange(d, device=device)
+    return channels[None, :] // size == torch.arange(math.ceil(d / size), device=device)[:, None]
+
+
+def codec_error(
+    codec: str | Codec,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group_size: int = 32,
+    key_quant: str = "per-channel",
+) -> float:
+    """Relative error ``||o_codec - o|| / ||o||`` of decode attention when K and V pass through ``codec``.
+
+    ``q``: ``[B, Hkv, g, D]`` (unscaled), ``k``, ``v``: ``[B, Hkv, S, D]``. Every token is quantized (no residual),
+    keys grouped as ``key_quant`` says and values per token, as ``QuantizedKVCache`` stores them; ``o`` is the
+    fp32 attention over the data as given.
+    """
+    if key_quant not in KEY_QUANT:
+        raise ValueError(f"key_quant: unknown {key_quant!r}; allowed: {', '.join(KEY_QUANT)}")
+    codec = get_codec(codec)
+    key_dim = _TOKEN_DIM if key_quant == "per-channel" else _CHANNEL_DIM
+    k_hat = codec.decode(codec.encode(k, key_dim, group_size))
+    v_hat = codec.decode(codec.encode(v, _CHANNEL_DIM, group_size))
+    qs = q.float() / math.sqrt(q.shape[-1])
+    exact = decode_attention(qs, k.float().transpose(-1, -2), v.float())
+    approx = decode_attention(qs, k_hat.transpose(-1, -2), v_hat)
+    return float(torch.linalg.vector_norm(approx - exact) / torch.linalg.vector_norm(exact))
