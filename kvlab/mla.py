@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from kvlab.cache.base import CacheCapacityError, KVCache
+from kvlab.cache.base import KVCache
 from kvlab.config import MLAConfig, ModelConfig
 from kvlab.dtypes import canonical_dtype, torch_dtype
 from kvlab.kernels import causal_attention, decode_attention
@@ -176,15 +176,7 @@ class LatentKVCache(KVCache):
         return self.n_layers * self.head_dim * self.element_bytes
 
     def reserve(self, n_new: int) -> int:
-        if n_new <= 0:
-            raise ValueError(f"n_new: {n_new} is not allowed; allowed: a positive integer")
-        if self._length + n_new > self.capacity:
-            raise CacheCapacityError(
-                f"latent cache full: {self._length} tokens stored, {n_new} more requested, capacity {self.capacity}"
-            )
-        self._start = self._length
-        self._length += n_new
-        return self._start
+        return self._claim_slots(n_new)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         if v.data_ptr() != k.data_ptr() or v.shape != k[..., : self.kv_lora_rank].shape:

@@ -17,6 +17,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from kvlab.validation import require_int
+
 
 class CacheCapacityError(RuntimeError):
     """Raised before any write when a step would need more slots than the cache has."""
@@ -46,6 +48,20 @@ class KVCache(ABC):
 
         Raises ``CacheCapacityError`` (and changes nothing) when the cache cannot hold them.
         """
+
+    def _claim_slots(self, n_new: int) -> int:
+        """``reserve`` for a cache that fills fixed slots in order: check the room, then advance ``_length``.
+
+        Uses ``self._length`` (tokens stored) and sets ``self._start`` (first slot of this step).
+        """
+        require_int("n_new", n_new)
+        if self._length + n_new > self.capacity:
+            raise CacheCapacityError(
+                f"KV cache full: {self._length} tokens stored, {n_new} more requested, capacity {self.capacity}. "
+                "Create the cache with a larger capacity, or use an eviction policy."
+            )
+        self._start, self._length = self._length, self._length + n_new
+        return self._start
 
     @abstractmethod
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from kvlab.cache.base import CacheCapacityError, KVCache
+from kvlab.cache.base import KVCache
 from kvlab.dtypes import canonical_dtype, torch_dtype
 from kvlab.kernels import causal_attention, decode_attention
 from kvlab.validation import require_int
@@ -67,15 +67,7 @@ class ContiguousKVCache(KVCache):
         return self._k_t.dtype
 
     def reserve(self, n_new: int) -> int:
-        require_int("n_new", n_new)
-        if self._length + n_new > self.capacity:
-            raise CacheCapacityError(
-                f"KV cache full: {self._length} tokens stored, {n_new} more requested, capacity {self.capacity}. "
-                "Create the cache with a larger capacity, or use an eviction policy."
-            )
-        self._start = self._length
-        self._length += n_new
-        return self._start
+        return self._claim_slots(n_new)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         end = self._length

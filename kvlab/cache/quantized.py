@@ -34,7 +34,7 @@ from collections.abc import Iterator
 
 import torch
 
-from kvlab.cache.base import CacheCapacityError, KVCache
+from kvlab.cache.base import KVCache
 from kvlab.cache.codecs import Codec, Encoded, IntCodec, get_codec
 from kvlab.dtypes import canonical_dtype, torch_dtype
 from kvlab.kernels import causal_attention, decode_attention
@@ -131,13 +131,7 @@ class QuantizedKVCache(KVCache):
         return self._ring_k[0].dtype
 
     def reserve(self, n_new: int) -> int:
-        require_int("n_new", n_new)
-        if self._length + n_new > self.capacity:
-            raise CacheCapacityError(
-                f"KV cache full: {self._length} tokens stored, {n_new} more requested, capacity {self.capacity}. "
-                "Create the cache with a larger capacity, or use an eviction policy."
-            )
-        self._start, self._length = self._length, self._length + n_new
+        self._claim_slots(n_new)
         self._quant_start, self._quant = self._quant, self._n_quantized(self._length)
         return self._start
 
