@@ -18,15 +18,6 @@ Q_LORA = pytest.mark.parametrize("q_lora_rank", [None, 24], ids=["q-full", "q-lo
 PATHS = pytest.mark.parametrize("absorb", [True, False], ids=["absorbed", "naive"])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These shapes are tiny: a second thread adds only a barrier per op, which busy cores stretched to seconds."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def mla_config(q_lora_rank: int | None = None, **overrides) -> ModelConfig:
     base = dict(n_layers=2, d_model=64, n_heads=4, d_ff=96, vocab_size=97, max_seq_len=128)
     return ModelConfig(**(base | {"mla": dataclasses.replace(MLA, q_lora_rank=q_lora_rank)} | overrides))

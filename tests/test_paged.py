@@ -18,15 +18,6 @@ from .helpers import tiny_config
 EXACT = dict(rtol=0, atol=0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These tensors are tiny: on shared, busy cores a second thread only adds spin-waiting (50x slower here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module", params=[4, 2], ids=["MHA", "GQA"])
 def model(request) -> Decoder:
     return Decoder(tiny_config(n_kv_heads=request.param))

@@ -23,15 +23,6 @@ SCHEDULE = [10] + [1] * 14 + [5] + [1] * 11
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These tensors are tiny: on shared, busy cores a second thread only adds spin-waiting (10x slower here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def model() -> Decoder:
     """Random weights with Q/K/V scaled up, so attention is peaked and dropping a token visibly moves the logits."""

@@ -19,15 +19,6 @@ SYSTEM = list(range(1, 6))  # 5 tokens
 TURNS = [(list(range(10 * i, 10 * i + 6)), list(range(10 * i + 6, 10 * i + 10))) for i in range(1, 6)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: on shared, busy cores a second thread only adds spin-waiting."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def model() -> Decoder:
     return Decoder(CFG, device="cpu", seed=0)

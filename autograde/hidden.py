@@ -1,0 +1,104 @@
+"""Hidden checks: the public checkers of ``kvlab.checks`` on inputs no lesson shows, with expected values withheld.
+
+A hidden test cell calls one of these in one line, for example ``hidden.check_kv_bytes_per_token(fn)``. The inputs
+in ``CASES`` differ from the notebooks' examples (other shapes, dtypes, batches and timings), so a function that
+only reproduces the public example fails; and every call passes ``reveal=False``, so a failure message names the
+input but never the expected value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvlab import checks
+from kvlab.config import MLAConfig, ModelConfig
+
+_GQA = ModelConfig(n_layers=6, d_model=384, n_heads=6, n_kv_heads=3, d_ff=1024, vocab_size=5003, name="hidden-gqa")
+# head_dim differs from d_model / n_heads here, as in Gemma and Qwen3: a formula that derives it fails.
+_MQA_TIED = ModelConfig(
+    n_layers=11,
+    d_model=640,
+    n_heads=10,
+    n_kv_heads=1,
+    head_dim=80,
+    d_ff=1728,
+    vocab_size=32001,
+    tie_embeddings=True,
+    dtype="bf16",
+    name="hidden-mqa",
+)
+_WIDE_HEADS = ModelConfig(
+    n_layers=3, d_model=512, n_heads=4, n_kv_heads=2, head_dim=256, d_ff=2048, vocab_size=1000, name="hidden-wide"
+)
+_MLA = ModelConfig(
+    n_layers=13,
+    d_model=1024,
+    n_heads=16,
+    vocab_size=32000,
+    n_params=300_000_000,
+    dtype="bf16",
+    mla=MLAConfig(kv_lora_rank=256, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64),
+    name="hidden-mla",
+)
+
+CASES: dict[str, tuple] = {
+    # lesson 00
+    "check_quick_mode": (
+        {"KVLAB_QUICK": "yes"},
+        {"KVLAB_QUICK": ""},
+        {"NBGRADER_EXECUTION": ""},
+        {"PATH": "/usr/bin", "KVLAB_QUICK": "0"},
+    ),
+    "check_copy_gbps": ((3e9, 0.7), (12_345, 3e-6)),
+    "check_stream_ms": ((7.7e9, 819.0), (1, 1.0)),
+    # lesson 01
+    "check_kv_bytes_per_token": ((_GQA, 4), (_MQA_TIED, 2), (_WIDE_HEADS, 1), (_MLA, 2), (_GQA, 0.5)),
+    "check_weight_bytes": ((_GQA, 4), (_MQA_TIED, 2), (_WIDE_HEADS, 0.5)),
+    "check_tpot_ms": ((16_060_000_000, 131_072, 8000, 3, 2039.0), (1e6, 1000, 1, 1, 1.0)),
+    "check_batch_for_tpot": ((90.0, 65_000_000_000, 262_144, 12_000, 4800.0),),
+    "check_decode_attention_flops": ((126, 16_384, 100_000), (2, 96, 7)),
+    # lesson 02
+    "check_ridge_intensity": ((1307e12, 5300.0), (121e12, 300.0)),
+    "check_decode_flops": ((_GQA, 777, 3), (_WIDE_HEADS, 1, 1), (_MQA_TIED, 20_000, 32)),
+    "check_prefill_flops": ((_GQA, 333), (_MQA_TIED, 2), (_WIDE_HEADS, 10_000)),
+    "check_roofline_time_ms": ((1e15, 1e9, 989e12, 3350.0), (3e9, 3e10, 1e12, 100.0)),
+    # lesson 03
+    "check_request_metrics": ((0.9, 1.0, 1.25), (0.002, 0.0031, 0.0045, 0.0062, 0.0071)),
+    "check_percentile": (((4.0, 9.0, 1.0, 7.0), 25), ((2.5, 2.5, 8.0), 100), ((1.0, 2.0, 3.0, 4.0, 100.0), 75)),
+    "check_fit_tpot": (([1000, 3000, 9000, 27000], [41.0, 44.5, 57.0, 90.5]), ([1, 2], [0.5, 0.25])),
+    "check_crossover_context": ((16_060_000_000, 131_072, 4), (1e6, 3.0, 7)),
+}
+
+
+def _hidden(name: str) -> Callable[[Callable], None]:
+    checker = getattr(checks, name)
+
+    def check(fn: Callable) -> None:
+        checker(fn, cases=CASES[name], reveal=False)
+
+    check.__name__ = name
+    check.__doc__ = f"``kvlab.checks.{name}`` on the hidden cases, expected values withheld."
+    return check
+
+
+check_quick_mode = _hidden("check_quick_mode")
+check_copy_gbps = _hidden("check_copy_gbps")
+check_stream_ms = _hidden("check_stream_ms")
+check_kv_bytes_per_token = _hidden("check_kv_bytes_per_token")
+check_weight_bytes = _hidden("check_weight_bytes")
+check_tpot_ms = _hidden("check_tpot_ms")
+check_batch_for_tpot = _hidden("check_batch_for_tpot")
+check_decode_attention_flops = _hidden("check_decode_attention_flops")
+check_ridge_intensity = _hidden("check_ridge_intensity")
+check_decode_flops = _hidden("check_decode_flops")
+check_prefill_flops = _hidden("check_prefill_flops")
+check_roofline_time_ms = _hidden("check_roofline_time_ms")
+check_request_metrics = _hidden("check_request_metrics")
+check_percentile = _hidden("check_percentile")
+check_fit_tpot = _hidden("check_fit_tpot")
+check_crossover_context = _hidden("check_crossover_context")
+
+
+def check_concat_cache(make_cache: Callable) -> None:
+    """The concatenating cache on a one-layer GQA model and a batch of 3, not the public check's shape."""
+    checks.check_concat_cache(make_cache, cfg=_GQA.replace(n_layers=1, max_seq_len=64), batch=3)

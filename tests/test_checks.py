@@ -1,0 +1,313 @@
+"""kvlab.checks: a right answer passes silently; a wrong one raises AssertionError that says what to fix."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+
+import pytest
+import torch
+
+from kvlab import checks, get_model, roofline
+from kvlab.bench import RequestTiming, Sweep, SweepPoint, fit_line, percentile
+from kvlab.roofline import Bandwidth
+
+
+def assert_silent(capsys: pytest.CaptureFixture, check, *args, **kwargs) -> None:
+    check(*args, **kwargs)
+    out, err = capsys.readouterr()
+    assert out == "" and err == "", f"{check.__name__} printed on success: {out!r} {err!r}"
+
+
+def assert_fails(check, *args, match: str, **kwargs) -> str:
+    with pytest.raises(AssertionError, match=match) as info:
+        check(*args, **kwargs)
+    return str(info.value)
+
+
+# -- reference answers, written the way a learner would -----------------------------------------------------------
+def kv_bytes(cfg, size):
+    per_layer = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim if cfg.mla else 2 * cfg.n_kv_heads * cfg.head_dim
+    return round(cfg.n_layers * per_layer * size)
+
+
+def weight_bytes(cfg, size):
+    d = cfg.d_model
+    layer = 2 * d * cfg.n_heads * cfg.head_dim + 2 * d * cfg.n_kv_heads * cfg.head_dim + 3 * d * cfg.d_ff + 2 * d
+    return round((cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2) + cfg.n_layers * layer + d) * size)
+
+
+def request_metrics(times):
+    ms = [t * 1e3 for t in times]
+    gaps = [b - a for a, b in itertools.pairwise(ms)]
+    return {"ttft_ms": ms[0], "tpot_ms": (ms[-1] - ms[0]) / (len(ms) - 1), "itl_ms": gaps, "e2el_ms": ms[-1]}
+
+
+def fit_tpot(x, y):
+    f = fit_line(x, y)
+    return f.slope * 1e3, f.intercept
+
+
+def fake_sweep(slope_ms: float, bandwidth: Bandwidth, kv_per_token: float = 8192.0) -> Sweep:
+    """A sweep with exact TPOTs on a line, so band checks can be tested without timing anything."""
+    points = []
+    for context in (512, 1024, 2048, 4096):
+        tpot = 2.0 + slope_ms * context
+        request = RequestTiming((tpot / 1e3, 2 * tpot / 1e3))  # two tokens one TPOT apart
+        points.append(SweepPoint(context, 1, [request], 0, 0.0))
+    return Sweep("fake", "cpu", 1, "fast", bandwidth, kv_per_token, 0, points)
+
+
+BW = Bandwidth("cpu", 256.0, copy_gbps=10.0, read_gbps=10.0, copy_best_gbps=11.0, read_best_gbps=11.0)
+PREDICTED_SLOPE_MS = 8192 / 10e9 * 1e3  # KV bytes per token / bandwidth, for the fake sweep
+
+
+# -- right answers pass silently ------------------------------------------------------------------------------------
+RIGHT_ANSWERS = [
+    (checks.check_quick_mode, lambda env: env.get("KVLAB_QUICK", "0") not in ("", "0") or "NBGRADER_EXECUTION" in env),
+    (checks.check_copy_gbps, lambda n, s: 2 * n / s / 1e9),
+    (checks.check_stream_ms, lambda n, gbps: n / gbps / 1e6),
+    (checks.check_kv_bytes_per_token, kv_bytes),
+    (checks.check_weight_bytes, weight_bytes),
+    (checks.check_tpot_ms, lambda w, kv, t, b, gbps: (w + b * t * kv) / (gbps * 1e9) * 1e3),
+    (checks.check_batch_for_tpot, lambda ms, w, kv, t, gbps: (ms / 1e3 * gbps * 1e9 - w) / (t * kv)),
+    (checks.check_decode_attention_flops, lambda layers, d, t: 4 * layers * d * t),
+    (checks.check_ridge_intensity, lambda peak, gbps: peak / gbps / 1e9),
+    (checks.check_decode_flops, checks.decode_flops),
+    (checks.check_prefill_flops, checks.prefill_flops),
+    (checks.check_roofline_time_ms, lambda f, n, peak, gbps: max(f / peak, n / gbps / 1e9) * 1e3),
+    (checks.check_request_metrics, request_metrics),
+    (checks.check_percentile, percentile),
+    (checks.check_crossover_context, lambda w, kv, b: w / b / kv),
+]
+
+
+@pytest.mark.parametrize(("check", "answer"), RIGHT_ANSWERS, ids=[c.__name__ for c, _ in RIGHT_ANSWERS])
+def test_right_answer_passes_silently(capsys, check, answer):
+    assert_silent(capsys, check, answer)
+
+
+def test_error_audit_right_answer(capsys):
+    cfg = get_model("llama-3.1-70b")
+    mha = roofline.kv_bytes_per_token(cfg.replace(n_kv_heads=64)) * 32_768
+    assert_silent(capsys, checks.check_error_audit, 2 * 80 * 8192 * 32 * 2, mha, 327_680 * 32_768)
+
+
+def test_fit_and_slope_band_right_answer(capsys):
+    sweep = fake_sweep(PREDICTED_SLOPE_MS * 1.5, BW)
+    assert_silent(capsys, checks.check_fit_tpot, fit_tpot, sweep)
+    measured_us = sweep.fit.slope * 1e3
+    assert_silent(capsys, checks.check_slope_band, PREDICTED_SLOPE_MS * 1e3, measured_us, sweep)
+
+
+def test_ab_right_answer(capsys):
+    assert_silent(capsys, checks.check_ab_slopes, fake_sweep(1e-3, BW), fake_sweep(3e-3, BW))
+
+
+def test_fixed_overhead_right_answer(capsys):
+    predicted = roofline.predict_tpot_ms(300_000, 10.0)
+    assert_silent(capsys, checks.check_fixed_overhead, 0.5 - predicted, 0.5, predicted, 300_000, 10.0)
+
+
+def test_environment_report_right_answer(capsys):
+    report = {"device": "cpu", "threads": torch.get_num_threads(), "copy_gbps": BW.copy_gbps}
+    assert_silent(capsys, checks.check_environment_report, report, BW)
+
+
+def test_concat_cache_accepts_a_cache_that_decodes_the_same(capsys):
+    # The preallocated cache itself decodes the same as the preallocated cache.
+    assert_silent(capsys, checks.check_concat_cache, lambda model, batch, capacity: model.new_cache(batch, capacity))
+
+
+def test_measured_copy_consistent_with_kvlab(capsys):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # steadier on a shared machine; both measurements use the same threads
+    try:
+        n_bytes = 64 * 10**6
+        bw = roofline.measure_bandwidth("cpu", size_mb=64, repeats=5)
+        seconds = 2 * n_bytes / (bw.copy_gbps * 1e9)
+        times = [seconds] * 5
+        assert_silent(capsys, checks.check_measured_copy, bw.copy_gbps, times, n_bytes)
+        # A unit slip (ms taken for s) is far outside the band whatever the machine's noise.
+        assert_fails(checks.check_measured_copy, bw.copy_gbps / 1e3, [seconds * 1e3] * 5, n_bytes, match="within 3x")
+    finally:
+        torch.set_num_threads(threads)
+
+
+# -- wrong answers fail with a message that names the quantity and the fix -----------------------------------------
+def test_kv_bytes_missing_factor_two_names_quantity_and_hint():
+    message = assert_fails(
+        checks.check_kv_bytes_per_token, lambda cfg, size: kv_bytes(cfg, size) // 2, match="kv_bytes_per_token"
+    )
+    assert "llama-3.1-70b" in message and "327680" in message  # the public example shows its expected value
+    assert "factor of 2" in message and "bytes" in message
+
+
+def test_kv_bytes_float_is_rejected_with_the_form_expected():
+    message = assert_fails(checks.check_kv_bytes_per_token, lambda cfg, size: float(kv_bytes(cfg, size)), match="int")
+    assert "round()" in message
+
+
+def test_kv_bytes_ignoring_mla_fails():
+    def no_mla(cfg, size):
+        return round(2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * size)
+
+    assert_fails(checks.check_kv_bytes_per_token, no_mla, match="deepseek-v3.*MLA")
+
+
+def test_hidden_style_failure_withholds_the_expected_value():
+    cfg = get_model("cpu-small").replace(head_dim=96, name="fresh")
+    expected = roofline.kv_bytes_per_token(cfg, "fp32")
+    message = assert_fails(
+        checks.check_kv_bytes_per_token,
+        lambda c, size: round(2 * c.n_layers * c.n_kv_heads * (c.d_model // c.n_heads) * size),
+        cases=[(cfg, 4)],
+        reveal=False,
+        match="fresh",
+    )
+    assert str(expected) not in message and f"{expected:,}" not in message
+    # A ratio hint ("half the expected value") would give the withheld value away as surely.
+    halved = assert_fails(
+        checks.check_kv_bytes_per_token, lambda c, s: kv_bytes(c, s) // 2, cases=[(cfg, 4)], reveal=False, match="fresh"
+    )
+    assert "expected value" not in halved
+
+
+def test_not_implemented_says_so():
+    def stub(*args):
+        raise NotImplementedError()
+
+    assert_fails(checks.check_copy_gbps, stub, match="not implemented yet")
+
+
+def test_exception_in_answer_is_reported_with_its_call():
+    assert_fails(checks.check_weight_bytes, lambda cfg, size: cfg.no_such_field, match="AttributeError")
+
+
+WRONG_ANSWERS = [
+    (checks.check_quick_mode, lambda env: "KVLAB_QUICK" in env, "KVLAB_QUICK"),
+    (checks.check_copy_gbps, lambda n, s: n / s / 1e9, "copy_gbps.*reads n bytes and writes"),
+    (checks.check_stream_ms, lambda n, gbps: n / gbps / 1e9, "stream_ms.*1/1000 of the expected"),
+    (checks.check_tpot_ms, lambda w, kv, t, b, gbps: (w + t * kv) / gbps / 1e6, "batch=26"),
+    (checks.check_batch_for_tpot, lambda ms, w, kv, t, gbps: math.ceil(ms / 1e3 * gbps * 1e9 / t / kv), "batch"),
+    (checks.check_decode_attention_flops, lambda layers, d, t: 2 * layers * t * t * d, "no context\\^2"),
+    (checks.check_ridge_intensity, lambda peak, gbps: peak / gbps, "FLOP/byte"),
+    (checks.check_decode_flops, lambda cfg, t, b: 2 * roofline.param_count(cfg) * b, "attention"),
+    (checks.check_prefill_flops, lambda cfg, t: 2 * roofline.param_count(cfg) * t + 2 * t * t, "causal|attends"),
+    (checks.check_roofline_time_ms, lambda f, n, peak, gbps: (f / peak + n / gbps / 1e9) * 1e3, "max"),
+    (checks.check_percentile, lambda v, p: sorted(v)[round((len(v) - 1) * p / 100)], "interpolate"),
+    (checks.check_crossover_context, lambda w, kv, b: w / kv, "batch"),
+]
+
+
+@pytest.mark.parametrize(("check", "wrong", "match"), WRONG_ANSWERS, ids=[c.__name__ for c, _, _ in WRONG_ANSWERS])
+def test_wrong_answer_fails_with_a_fix(check, wrong, match):
+    assert_fails(check, wrong, match=match)
+
+
+def test_request_metrics_tpot_including_first_token_fails():
+    def wrong(times):
+        out = request_metrics(times)
+        out["tpot_ms"] = times[-1] * 1e3 / len(times)
+        return out
+
+    assert_fails(checks.check_request_metrics, wrong, match="tpot_ms.*first token")
+
+
+def test_error_audit_catches_the_circulating_figure():
+    cfg = get_model("llama-3.1-70b")
+    mha = roofline.kv_bytes_per_token(cfg.replace(n_kv_heads=64)) * 32_768
+    # Taking the claim's 83.9 "GB" at face value:
+    assert_fails(checks.check_error_audit, 83_900_000_000, mha, 327_680 * 32_768, match="expression_bytes")
+    # The source's GQA-8 expression, 2 x 80 x 8192 x 8 x 2 "= 20.97 GB":
+    assert_fails(checks.check_error_audit, 2 * 80 * 8192 * 32 * 2, mha, 20_970_000_000, match="gqa8_kv_bytes_32k")
+
+
+def test_fit_inconsistent_with_own_data_fails():
+    sweep = fake_sweep(1e-3, BW)
+    assert_fails(
+        checks.check_fit_tpot, lambda x, y: (fit_tpot(x, y)[0] / 1e3, fit_tpot(x, y)[1]), sweep, match="µs per token"
+    )
+
+
+def test_slope_outside_band_fails():
+    sweep = fake_sweep(PREDICTED_SLOPE_MS * 10, BW)  # ten times the bytes' prediction
+    assert_fails(checks.check_slope_band, PREDICTED_SLOPE_MS * 1e3, sweep.fit.slope * 1e3, sweep, match="between")
+
+
+def test_slope_band_rejects_a_prediction_from_another_bandwidth():
+    sweep = fake_sweep(PREDICTED_SLOPE_MS, BW)
+    assert_fails(
+        checks.check_slope_band, PREDICTED_SLOPE_MS * 2e3, sweep.fit.slope * 1e3, sweep, match="predicted_slope_us"
+    )
+
+
+def test_ab_needs_one_bandwidth_measurement():
+    other = Bandwidth("cpu", 256.0, 10.0, 10.0, 11.0, 11.0)  # equal values, but a second measurement
+    assert_fails(checks.check_ab_slopes, fake_sweep(1e-3, BW), fake_sweep(3e-3, other), match="one Bandwidth")
+
+
+def test_ab_fails_when_concat_is_not_steeper():
+    assert_fails(checks.check_ab_slopes, fake_sweep(1e-3, BW), fake_sweep(1.1e-3, BW), match="concatenate")
+
+
+def test_fixed_overhead_below_half_fails():
+    predicted = roofline.predict_tpot_ms(3_000_000, 10.0)
+    assert_fails(checks.check_fixed_overhead, 0.4 - predicted, 0.4, predicted, 3_000_000, 10.0, match="at least half")
+
+
+def test_concat_cache_that_drops_tokens_fails():
+    class Forgetful:
+        """Wraps the preallocated cache but stores nothing after the prefill."""
+
+        def __init__(self, cache):
+            self._cache = cache
+
+        def __getattr__(self, name):
+            return getattr(self._cache, name)
+
+        def append(self, layer, k, v):
+            if self._cache.length <= 5:
+                self._cache.append(layer, k, v)
+
+    assert_fails(checks.check_concat_cache, lambda m, b, c: Forgetful(m.new_cache(b, c)), match="logits")
+
+
+def test_quick_mode_reads_the_environment(monkeypatch):
+    monkeypatch.delenv("NBGRADER_EXECUTION", raising=False)
+    monkeypatch.setenv("KVLAB_QUICK", "0")
+    assert not checks.quick_mode()
+    monkeypatch.setenv("NBGRADER_EXECUTION", "autograde")
+    assert checks.quick_mode()
+
+
+def test_setup_lesson_under_nbgrader(monkeypatch):
+    threads = torch.get_num_threads()
+    monkeypatch.setenv("NBGRADER_EXECUTION", "autograde")
+    try:
+        with warnings.catch_warnings():
+            assert checks.setup_lesson() is True
+            assert torch.get_num_threads() == 1
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.warn("harmless", UserWarning, stacklevel=1)
+            assert caught == []  # silenced: nbgrader would zero a test cell for it
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(("omp", "quick", "threads"), [(None, "0", 1), ("2", "0", None), ("2", "1", 1)])
+def test_setup_lesson_threads(monkeypatch, omp, quick, threads):
+    """One thread unless OMP_NUM_THREADS asks for more outside quick mode."""
+    before = torch.get_num_threads()
+    monkeypatch.delenv("NBGRADER_EXECUTION", raising=False)
+    monkeypatch.setenv("KVLAB_QUICK", quick)
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    try:
+        checks.setup_lesson()
+        assert torch.get_num_threads() == (before if threads is None else threads)
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,155 @@
+"""An autograde round trip on a temporary copy of the course, with synthetic students; scores come from the CSV.
+
+- "perfect" submits the solutions: full marks.
+- "blank" submits the released lessons untouched: zero.
+- "partial" submits the solutions with specific mistakes, each failing known test cells: the exact partial score.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from autograde import hidden
+from kvlab import checks
+from tests.conftest import LESSONS, REPO, run_autograde
+
+pytestmark = pytest.mark.notebooks
+
+# lesson -> ({answer grade_id: wrong source}, the test cells those mistakes fail)
+MISTAKES = {
+    "01_bytes_per_step": (
+        {
+            # Derives head_dim from the width: right for every public model, wrong for the hidden one whose head_dim
+            # is set on its own, so only the hidden part of the test fails.
+            "kv_bytes_per_token": (
+                "def kv_bytes_per_token(cfg, bytes_per_element):\n"
+                "    if cfg.mla is not None:\n"
+                "        return round(cfg.n_layers * (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)"
+                " * bytes_per_element)\n"
+                "    head_dim = cfg.d_model // cfg.n_heads\n"
+                "    return round(2 * cfg.n_layers * cfg.n_kv_heads * head_dim * bytes_per_element)"
+            ),
+            # Forgets that the weights take part of the time budget.
+            "batch_for_tpot": (
+                "def batch_for_tpot(target_ms, weight_bytes, kv_bytes_per_token, context, bandwidth_gbps):\n"
+                "    return target_ms / 1e3 * bandwidth_gbps * 1e9 / (context * kv_bytes_per_token)"
+            ),
+        },
+        {"check_kv_bytes_per_token", "check_batch_for_tpot"},
+    ),
+    "03_measuring_tpot": (
+        {
+            # Divides by every token, the first (prefill) one included.
+            "request_metrics": (
+                "def request_metrics(token_times_s):\n"
+                "    ms = [t * 1e3 for t in token_times_s]\n"
+                "    gaps = [b - a for a, b in zip(ms, ms[1:])]\n"
+                "    return {'ttft_ms': ms[0], 'tpot_ms': ms[-1] / len(ms), 'itl_ms': gaps, 'e2el_ms': ms[-1]}"
+            ),
+            # Nearest rank instead of interpolation.
+            "percentile": (
+                "def percentile(values, p):\n"
+                "    ordered = sorted(values)\n"
+                "    return ordered[round((len(ordered) - 1) * p / 100)]"
+            ),
+        },
+        {"check_request_metrics", "check_percentile"},
+    ),
+}
+
+
+def points(path: Path) -> dict[str, int]:
+    nb = nbformat.read(path, as_version=4)
+    meta = [c.metadata.get("nbgrader", {}) for c in nb.cells]
+    return {m["grade_id"]: m["points"] for m in meta if m.get("grade")}
+
+
+def with_mistakes(solution: Path, wrong: dict[str, str], dest: Path) -> Path:
+    nb = nbformat.read(solution, as_version=4)
+    for cell in nb.cells:
+        grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
+        if grade_id in wrong:
+            cell.source = wrong.pop(grade_id)
+    assert not wrong, f"no answer cells {sorted(wrong)} in {solution.name}"
+    dest.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, dest / solution.name)
+    return dest / solution.name
+
+
+@pytest.fixture(scope="module")
+def graded(released_course: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = released_course
+    for name in LESSONS:
+        run_autograde(root, "collect", "perfect", str(root / "solutions" / name / f"{name}.ipynb"))
+        run_autograde(root, "collect", "blank", str(root / "lessons" / name / f"{name}.ipynb"))
+    scratch = tmp_path_factory.mktemp("partial")
+    for name, (wrong, _) in MISTAKES.items():
+        notebook = with_mistakes(root / "solutions" / name / f"{name}.ipynb", dict(wrong), scratch)
+        run_autograde(root, "collect", "partial", str(notebook))
+    run_autograde(root, "autograde")
+    run_autograde(root, "feedback")
+    run_autograde(root, "export")
+    return root
+
+
+def scores(root: Path) -> dict[tuple[str, str], tuple[float, float]]:
+    with open(root / "autograde" / "exports" / "grades.csv", newline="") as f:
+        return {
+            (r["assignment"], r["student_id"]): (float(r["score"]), float(r["max_score"])) for r in csv.DictReader(f)
+        }
+
+
+def test_scores_from_the_exported_csv(graded):
+    got = scores(graded)
+    for name in LESSONS:
+        total = sum(points(graded / "solutions" / name / f"{name}.ipynb").values())
+        assert got[(name, "perfect")] == (total, total), f"{name}: the solution lost points"
+        assert got[(name, "blank")] == (0.0, total), f"{name}: an unanswered lesson earned points"
+    for name, (_, failing) in MISTAKES.items():
+        cell_points = points(graded / "solutions" / name / f"{name}.ipynb")
+        expected = sum(cell_points.values()) - sum(cell_points[g] for g in failing)
+        assert got[(name, "partial")][0] == expected, f"{name}: partial score"
+
+
+def test_grading_happened_in_the_copy(graded):
+    assert graded != REPO and (graded / "autograde" / "gradebook.db").exists()
+
+
+def hidden_expected_values(name: str) -> set[str]:
+    """Every expected value lesson ``name``'s hidden checks would print if they revealed it, formatted as they would."""
+    source = (REPO / "solutions" / name / f"{name}.ipynb").read_text()
+    wrong_answers = {
+        "check_request_metrics": lambda *a: {"ttft_ms": -1.0, "tpot_ms": -1.0, "itl_ms": [], "e2el_ms": -1.0},
+        "check_fit_tpot": lambda *a: (-1.0, -1.0),
+    }
+    values = set()
+    for check in set(re.findall(r"hidden\.(check_\w+)\(", source)) & set(hidden.CASES):
+        for case in hidden.CASES[check]:
+            try:
+                getattr(checks, check)(wrong_answers.get(check, lambda *a: -1), cases=[case], reveal=True)
+            except AssertionError as e:
+                values.update(re.findall(r"expected (-?[\d.e+-]+) \(", str(e)))
+    # Short values (3072, 300.0) also occur in a lesson's own printouts; five significant digits do not by chance.
+    return {v for v in values if len(re.sub(r"e.*", "", v).replace(".", "").strip("-0")) >= 5}
+
+
+def test_feedback_leaks_no_hidden_test_or_expected_value(graded):
+    pages = {
+        p: re.sub(r"<style.*?</style>", "", p.read_text(), flags=re.S)
+        for p in graded.glob("autograde/feedback/*/*/*.html")
+    }
+    assert len(pages) == 2 * len(LESSONS) + len(MISTAKES)
+    # The mistake in kv_bytes_per_token fails on a hidden model: its message must be there, its answer must not.
+    failed_hidden = pages[graded / "autograde/feedback/partial/01_bytes_per_step/01_bytes_per_step.html"]
+    assert "hidden-mqa" in failed_hidden
+    expected = {name: hidden_expected_values(name) for name in LESSONS}
+    assert sum(map(len, expected.values())) > 15
+    for path, html in pages.items():
+        assert "HIDDEN TESTS" not in html and "hidden.check_" not in html, f"{path}: hidden test code shown"
+        for value in expected[path.parent.name]:
+            assert not re.search(rf"(?<![\w.]){re.escape(value)}(?![\w.])", html), f"{path}: shows {value}"

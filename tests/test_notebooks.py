@@ -1,0 +1,72 @@
+"""The course notebooks: solutions/ is their source; nbgrader releases them; they run and their tests check."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from tests.conftest import GRADING_FILES, LESSONS, REPO, run_autograde
+
+
+def notebook(kind: str, name: str, root: Path = REPO) -> Path:
+    return root / kind / name / f"{name}.ipynb"
+
+
+@pytest.mark.parametrize("kind", ["solutions", "lessons"])
+def test_committed_notebooks_have_no_outputs(kind):
+    for name in LESSONS:
+        nb = nbformat.read(notebook(kind, name), as_version=4)
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                assert cell.outputs == [] and cell.execution_count is None, f"{kind}/{name}: outputs committed"
+
+
+@pytest.mark.parametrize("name", LESSONS)
+def test_lesson_structure(name):
+    """At least four graded exercises, each test cell worth points, every answer a stub in the release."""
+    nb = nbformat.read(notebook("lessons", name), as_version=4)
+    meta = [c.metadata.get("nbgrader", {}) for c in nb.cells]
+    tests = [m for m in meta if m.get("grade")]
+    answers = [c for c, m in zip(nb.cells, meta, strict=True) if m.get("solution")]
+    assert len(tests) >= 4 and all(m["points"] > 0 for m in tests)
+    assert len(answers) >= 4
+    for cell in answers:
+        assert "raise NotImplementedError()" in cell.source and "BEGIN SOLUTION" not in cell.source
+    assert not any("HIDDEN TESTS" in c.source for c in nb.cells)
+
+
+def test_clean_deletes_the_gradebook_and_grading_files(tmp_path):
+    shutil.copytree(REPO / "autograde", tmp_path / "autograde", ignore=shutil.ignore_patterns(*GRADING_FILES))
+    made = [tmp_path / "autograde" / "gradebook.db", tmp_path / "autograde" / "submitted" / "s" / "01" / "x.ipynb"]
+    for path in made:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("{}")
+    run_autograde(tmp_path, "clean")
+    assert not any(p.exists() for p in made) and (tmp_path / "autograde" / "hidden.py").exists()
+
+
+@pytest.mark.notebooks
+def test_lessons_regenerate_identically(released_course):
+    for name in LESSONS:
+        fresh = notebook("lessons", name, released_course)
+        assert fresh.read_text() == notebook("lessons", name).read_text(), (
+            f"lessons/{name} differs from a fresh release: run `python -m autograde release`"
+        )
+
+
+@pytest.mark.notebooks
+@pytest.mark.parametrize("name", LESSONS)
+def test_solution_runs_in_quick_mode_and_passes_validation(name):
+    """nbgrader validate, every cell: no error or stderr anywhere, every test (hidden ones included) passes."""
+    result = run_autograde(REPO, "validate", "--all-cells", str(notebook("solutions", name)), check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.notebooks
+@pytest.mark.parametrize("name", LESSONS)
+def test_unanswered_lesson_passes_no_test(name):
+    result = run_autograde(REPO, "validate", "--invert", str(notebook("lessons", name)), check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
