@@ -25,6 +25,9 @@ def decode_attention(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor) -> tor
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
+MAX_SCORES = 2**26  # attention scores one prefill block may hold: 256 MB in fp32
+
+
 def window_mask(
     q_positions: torch.Tensor, k_positions: torch.Tensor, window: int | None = None, sinks: int = 0
 ) -> torch.Tensor:
@@ -50,6 +53,23 @@ def causal_attention(
     layer). Returns ``[B, H, T, D]``.
     """
     n_q, n_k = q.shape[-2], k.shape[-2]
+    block = max(1, MAX_SCORES // (q.shape[0] * q.shape[1] * n_k))
+    if block < n_q:
+        # A long prefill would materialise T x T scores per head (34 GB at 32k tokens, 8 heads): take the queries
+        # a block at a time, each against only the keys it can see.
+        return torch.cat(
+            [
+                causal_attention(
+                    q[..., i : i + block, :],
+                    k[..., : q_start + i + block, :],
+                    v[..., : q_start + i + block, :],
+                    q_start + i,
+                    window,
+                )
+                for i in range(0, n_q, block)
+            ],
+            dim=-2,
+        )
     if window is None and q_start == 0 and n_q == n_k:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     positions = torch.arange(max(n_k, q_start + n_q), device=q.device)

@@ -178,3 +178,18 @@ def test_half_precision_models_decode_close_to_fp32(dtype):
     tokens = torch.randint(0, 101, (1, 20), generator=torch.Generator().manual_seed(10))
     with torch.no_grad():
         assert_close(_incremental_logits(half, tokens, 4).float(), ref(tokens), rtol=0, atol=0.05)
+
+
+def test_long_prefills_are_taken_in_query_blocks_with_the_same_result(monkeypatch):
+    """A 32k-token prefill would otherwise hold T x T scores per head; blocks must not change the answer."""
+    import kvlab.kernels
+
+    model = Decoder(tiny_config(layer_windows=(6, None)), device="cpu")
+    tokens = torch.randint(0, 101, (2, 40), generator=torch.Generator().manual_seed(14))
+    with torch.no_grad():
+        whole = model(tokens)
+        cache = model.new_cache(2, 40)
+        model.prefill(tokens[:, :9], cache)
+        monkeypatch.setattr(kvlab.kernels, "MAX_SCORES", 2 * 4 * 40 * 3)  # three queries per block
+        assert_close(model(tokens), whole, rtol=0, atol=1e-5)
+        assert_close(model.prefill(tokens[:, 9:], cache), whole[:, 9:], rtol=0, atol=1e-5)
