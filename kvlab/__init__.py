@@ -6,6 +6,7 @@ from kvlab.device import default_device
 from kvlab.hf import from_hf, save_hf, to_hf
 from kvlab.model import Decoder
 from kvlab.presets import get_gpu, get_model, gpu_presets, model_presets
+from kvlab.pretrained import list_pretrained, load_pretrained
 
 __all__ = [
     "CacheCapacityError",
@@ -19,6 +20,8 @@ __all__ = [
     "get_gpu",
     "get_model",
     "gpu_presets",
+    "list_pretrained",
+    "load_pretrained",
     "model_presets",
     "save_hf",
     "to_hf",

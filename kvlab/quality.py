@@ -1,0 +1,286 @@
+"""What a KV-cache policy costs in quality: perplexity and needle recall, measured while the text streams.
+
+Both measures feed their text through ``prefill`` and ``decode_step`` into a cache built by ``make_cache``, so a
+cache that evicts or quantizes while decoding changes every later prediction, exactly as it would in serving.
+Only the first ``prefill_tokens`` of each sequence go in as one prefill (the fast path); everything after goes
+one token per step.
+
+A cache factory is ``make_cache(model, batch_size, capacity) -> KVCache``; ``capacity`` is the number of tokens
+the stream will reach. The default, ``full_cache``, is the model's contiguous cache, which keeps every token.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from kvlab.cache.base import KVCache
+from kvlab.model import Decoder
+from kvlab.pretrained import heldout_tokens
+from kvlab.tokenizer import decode, encode
+
+CacheFactory = Callable[[Decoder, int, int], KVCache]
+
+# The needle is a line of text the model can read like any other; the query repeats its start, so recall is
+# "find the earlier line that begins the same way and copy what followed".
+NEEDLE_DIGITS = 4
+
+
+def needle_line(key: int, value: int) -> str:
+    """The planted line, e.g. ``"\\n# key 0042 = 1234\\n"``; ``query_line(key)`` is its prefix."""
+    return f"{query_line(key)}{value:0{NEEDLE_DIGITS}d}\n"
+
+
+def query_line(key: int) -> str:
+    return f"\n# key {key:0{NEEDLE_DIGITS}d} = "
+
+
+NEEDLE_LEN = len(needle_line(0, 0))
+QUERY_LEN = len(query_line(0))
+
+
+def full_cache(model: Decoder, batch_size: int, capacity: int) -> KVCache:
+    """The default factory: the model's contiguous cache, keeping every token."""
+    return model.new_cache(batch_size, capacity=capacity)
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    """Perplexity of the scored tokens: positions ``prefill_tokens .. context-1`` of every segment.
+
+    ``nll`` is the mean negative log-likelihood in nats per token; ``ppl = exp(nll)``. With the byte tokenizer,
+    ``nll / ln 2`` is bits per byte. ``nll_by_position[i]`` is the mean over segments at position
+    ``prefill_tokens + i``, for plotting loss against how much context a prediction had.
+    """
+
+    context: int
+    prefill_tokens: int
+    n_segments: int
+    n_scored: int
+    nll: float
+    ppl: float
+    nll_by_position: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class NeedleResult:
+    """Recall for one (context, depth): the needle starts at ``needle_position``, ``distance`` tokens before the
+    answer is due. ``predictions`` and ``answers`` are the greedy outputs and the planted values, per trial."""
+
+    context: int
+    depth: float
+    needle_position: int
+    distance: int
+    n_trials: int
+    n_correct: int
+    accuracy: float
+    predictions: tuple[str, ...]
+    answers: tuple[str, ...]
+
+
+def perplexity(
+    model: Decoder,
+    tokens: torch.Tensor | Sequence[int],
+    context: int = 512,
+    make_cache: CacheFactory = full_cache,
+    prefill_tokens: int = 1,
+    batch_size: int = 16,
+    progress: bool = True,
+) -> PerplexityResult:
+    """Perplexity of ``tokens`` (``[N]``) read in segments of ``context`` tokens, each through a fresh cache.
+
+    The text is cut into ``N // context`` consecutive segments (a shorter tail is dropped); segments stream in
+    batches of ``batch_size``. In each segment, tokens ``0 .. prefill_tokens-1`` are prefilled and the rest are
+    fed one ``decode_step`` at a time. Scored: the prediction of every token from ``prefill_tokens`` to the end
+    of its segment, each made with all earlier tokens of the segment having passed through the cache. The first
+    of those predictions comes from the prefill's last position; the rest from decode steps.
+    """
+    tokens = _token_vector(tokens, "tokens")
+    _check_int("context", context, minimum=2)
+    _check_int("prefill_tokens", prefill_tokens, minimum=1)
+    if prefill_tokens >= context:
+        raise ValueError(f"prefill_tokens: {prefill_tokens}; allowed: 1 <= prefill_tokens < context={context}")
+    _check_int("batch_size", batch_size, minimum=1)
+    _check_factory(make_cache)
+    n_segments = len(tokens) // context
+    if n_segments == 0:
+        raise ValueError(f"tokens: {len(tokens)} tokens; allowed: at least context={context}")
+    segments = tokens[: n_segments * context].view(n_segments, context).to(model.device)
+    nll_sum = torch.zeros(context - prefill_tokens, dtype=torch.float64)
+    with _bar(n_segments * (context - prefill_tokens), f"perplexity ctx={context}", progress) as bar:
+        for batch in segments.split(batch_size):
+            cache = make_cache(model, batch.shape[0], context)
+            for i, logits in enumerate(_stream(model, batch[:, :-1], cache, prefill_tokens, bar)):
+                target = batch[:, prefill_tokens + i]
+                logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, target[:, None])
+                nll_sum[i] -= logp.double().sum().cpu()
+    by_position = nll_sum / n_segments
+    nll = float(by_position.mean())
+    return PerplexityResult(
+        context=context,
+        prefill_tokens=prefill_tokens,
+        n_segments=n_segments,
+        n_scored=n_segments * (context - prefill_tokens),
+        nll=nll,
+        ppl=math.exp(nll),
+        nll_by_position=tuple(by_position.tolist()),
+    )
+
+
+def needle_prompts(
+    context: int, depth: float, n_trials: int, filler: torch.Tensor, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Prompts of exactly ``context`` tokens: filler, the needle line at ``depth``, filler, then the query.
+
+    ``depth`` 0 puts the needle at the start, 1 right before the query. Each trial draws its own key, value and
+    filler offset (the filler ``[N]`` wraps around when a prompt needs more than it holds), from a stream seeded
+    by ``(seed, context, depth)`` alone, so a cell's trials do not depend on which other cells are run.
+    Returns ``prompts`` ``[n_trials, context]``, ``answers`` ``[n_trials, NEEDLE_DIGITS]`` and the needle's
+    start position.
+    """
+    _check_int("context", context, minimum=NEEDLE_LEN + QUERY_LEN + 1)
+    _check_depth("depth", depth)
+    _check_int("n_trials", n_trials, minimum=1)
+    filler = _token_vector(filler, "filler")
+    n_filler = context - NEEDLE_LEN - QUERY_LEN
+    position = round(depth * n_filler)
+    rng = random.Random(f"kvlab-needle:{seed}:{context}:{float(depth)!r}")
+    prompts, answers = [], []
+    for _ in range(n_trials):
+        key, value = rng.randrange(10**NEEDLE_DIGITS), rng.randrange(10**NEEDLE_DIGITS)
+        start = rng.randrange(len(filler))
+        text = filler[(start + torch.arange(n_filler)) % len(filler)]
+        needle = torch.tensor(encode(needle_line(key, value)))
+        query = torch.tensor(encode(query_line(key)))
+        prompts.append(torch.cat((text[:position], needle, text[position:], query)))
+        answers.append(torch.tensor(encode(f"{value:0{NEEDLE_DIGITS}d}")))
+    return torch.stack(prompts), torch.stack(answers), position
+
+
+def needle_recall(
+    model: Decoder,
+    contexts: Sequence[int],
+    depths: Sequence[float],
+    n_trials: int = 20,
+    make_cache: CacheFactory = full_cache,
+    seed: int = 0,
+    filler: torch.Tensor | Sequence[int] | None = None,
+    prefill_tokens: int = 1,
+    batch_size: int = 16,
+    progress: bool = True,
+) -> list[NeedleResult]:
+    """Exact-match recall of a planted value, for every (context, depth), streaming each prompt through the cache.
+
+    Each prompt (see ``needle_prompts``) is fed as ``perplexity`` feeds a segment; then the answer is decoded
+    greedily, one ``decode_step`` per digit, through the same cache. A trial is correct when all
+    ``NEEDLE_DIGITS`` generated tokens equal the planted value. ``filler`` defaults to the shipped held-out text.
+    """
+    contexts, depths = _nonempty("contexts", contexts), _nonempty("depths", depths)
+    _check_int("n_trials", n_trials, minimum=1)
+    _check_int("prefill_tokens", prefill_tokens, minimum=1)
+    _check_int("batch_size", batch_size, minimum=1)
+    _check_factory(make_cache)
+    for c in contexts:
+        _check_int("contexts", c, minimum=max(NEEDLE_LEN + QUERY_LEN + 1, prefill_tokens + 1))
+    for d in depths:
+        _check_depth("depths", d)
+    filler = heldout_tokens() if filler is None else filler
+    cells = [(c, d) for c in contexts for d in depths]
+    total = sum(n_trials * (c - prefill_tokens + NEEDLE_DIGITS) for c, _ in cells)
+    results = []
+    with _bar(total, "needle recall", progress) as bar:
+        for context, depth in cells:
+            prompts, answers, position = needle_prompts(context, depth, n_trials, filler, seed)
+            predicted = torch.cat(
+                [_greedy_answer(model, p, make_cache, prefill_tokens, bar) for p in prompts.split(batch_size)]
+            )
+            correct = (predicted.cpu() == answers).all(dim=-1)
+            results.append(
+                NeedleResult(
+                    context=context,
+                    depth=float(depth),
+                    needle_position=position,
+                    distance=context - position,
+                    n_trials=n_trials,
+                    n_correct=int(correct.sum()),
+                    accuracy=float(correct.float().mean()),
+                    predictions=tuple(decode(p) for p in predicted),
+                    answers=tuple(decode(a) for a in answers),
+                )
+            )
+    return results
+
+
+def _greedy_answer(
+    model: Decoder, prompts: torch.Tensor, make_cache: CacheFactory, prefill_tokens: int, bar: tqdm
+) -> torch.Tensor:
+    """``prompts`` ``[B, T]`` -> greedy continuation ``[B, NEEDLE_DIGITS]``, all through one cache."""
+    prompts = prompts.to(model.device)
+    cache = make_cache(model, prompts.shape[0], prompts.shape[1] + NEEDLE_DIGITS - 1)
+    last = deque(_stream(model, prompts, cache, prefill_tokens, bar), maxlen=1)[0]
+    out = [last.argmax(dim=-1)]
+    for _ in range(NEEDLE_DIGITS - 1):
+        out.append(model.decode_step(out[-1], cache).argmax(dim=-1))
+        bar.update(prompts.shape[0])
+    return torch.stack(out, dim=1)
+
+
+def _stream(
+    model: Decoder, tokens: torch.Tensor, cache: KVCache, prefill_tokens: int, bar: tqdm
+) -> Iterator[torch.Tensor]:
+    """Feed ``tokens`` ``[B, T]``: prefill the first ``prefill_tokens``, then one decode step per token.
+
+    Yields next-token logits ``[B, V]`` after positions ``prefill_tokens-1, ..., T-1``; ``bar`` counts sequences
+    times predictions.
+    """
+    yield model.prefill(tokens[:, :prefill_tokens], cache)[:, -1]
+    bar.update(tokens.shape[0])
+    for t in range(prefill_tokens, tokens.shape[1]):
+        yield model.decode_step(tokens[:, t], cache)
+        bar.update(tokens.shape[0])
+
+
+def _bar(total: int, desc: str, enabled: bool) -> tqdm:
+    return tqdm(total=total, desc=desc, unit="tok", disable=not enabled, leave=False)
+
+
+def _token_vector(tokens: torch.Tensor | Sequence[int], name: str) -> torch.Tensor:
+    try:
+        tokens = torch.as_tensor(tokens)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise ValueError(f"{name}: not a sequence of token ids ({err}); allowed: a 1-D tensor or list of ints") from err
+    if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+        raise ValueError(
+            f"{name}: shape {tuple(tokens.shape)} dtype {tokens.dtype}; allowed: a 1-D tensor or list of int ids"
+        )
+    if len(tokens) == 0:
+        raise ValueError(f"{name}: empty; allowed: at least one token")
+    return tokens.long()
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: {value!r} is not allowed; allowed: an integer >= {minimum}")
+
+
+def _check_depth(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"{name}: {value!r} is not allowed; allowed: a number in [0, 1]")
+
+
+def _check_factory(make_cache: object) -> None:
+    if not callable(make_cache):
+        raise ValueError(f"make_cache: {make_cache!r} is not callable; allowed: make_cache(model, batch, capacity)")
+
+
+def _nonempty(name: str, values: Sequence) -> list:
+    values = [values] if isinstance(values, (int, float)) else list(values)
+    if not values:
+        raise ValueError(f"{name}: empty; allowed: at least one value")
+    return values

@@ -1,0 +1,416 @@
+"""Train the small checkpoint that ships with kvlab: on CPU, in minutes, from text that comes with Python itself.
+
+    python -m kvlab.train --seed 0 --threads 2
+
+The data needs no download. Half the sequences (``needle_fraction``) are windows of the standard library's
+top-level ``.py`` modules; the others are such windows with ``key = value`` lines planted in them, each repeated
+later so the model learns to look a value up by its key across the context (the task ``kvlab.quality`` measures
+as needle recall). The held-out files never enter training; the evaluation text shipped in ``kvlab/data`` was cut
+from them, so the recorded perplexity reproduces on any Python version.
+
+Determinism: every random draw (initial weights, windows, needles) comes from generators seeded by ``seed``, and
+``torch.use_deterministic_algorithms`` is on. The same seed, thread count, torch build and CPU give bit-identical
+losses and weights. A different thread count or CPU may reorder floating-point sums, and a different Python
+version has a different standard library, so the run then differs slightly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import sysconfig
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from kvlab.config import ModelConfig
+from kvlab.model import Decoder
+from kvlab.pretrained import HELDOUT_FILE, heldout_tokens
+from kvlab.quality import NEEDLE_DIGITS, NEEDLE_LEN, needle_line, needle_recall, perplexity
+from kvlab.tokenizer import EOT, EOT_TEXT, VOCAB_SIZE, encode
+
+# Held out by name, so they stay out of training on every Python version. Present since 3.9 (graphlib) or earlier.
+HELDOUT_FILES = ("fractions.py", "graphlib.py", "shlex.py", "textwrap.py")
+# The slice of the held-out text whose perplexity the card records and the tests reproduce.
+EVAL_SLICE = 4096
+NEEDLE_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Model shape, data mix and optimiser settings for one run. ``seq_len`` is also the model's max_seq_len."""
+
+    n_layers: int = 4
+    d_model: int = 256
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    d_ff: int = 512
+    seq_len: int = 512
+    batch_size: int = 8
+    steps: int = 1200
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    needle_fraction: float = 0.3
+    repeat_fraction: float = 0.3
+    max_needles: int = 4
+    seed: int = 0
+    threads: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("needle_fraction", "repeat_fraction"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name}: {getattr(self, name)}; allowed: a number in [0, 1]")
+        if self.needle_fraction + self.repeat_fraction > 1:
+            raise ValueError(
+                f"repeat_fraction: {self.repeat_fraction} + needle_fraction {self.needle_fraction} > 1; "
+                "allowed: fractions of the batch that sum to at most 1"
+            )
+        if self.max_needles < 1 or 2 * self.max_needles * NEEDLE_LEN >= self.seq_len:
+            raise ValueError(
+                f"max_needles: {self.max_needles}; allowed: >= 1 and 2 * max_needles * {NEEDLE_LEN} < "
+                f"seq_len={self.seq_len} (each needle appears twice)"
+            )
+        for name in ("steps", "batch_size", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: {getattr(self, name)}; allowed: an integer >= 1")
+
+    def model_config(self, name: str = "custom") -> ModelConfig:
+        return ModelConfig(
+            n_layers=self.n_layers,
+            d_model=self.d_model,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            d_ff=self.d_ff,
+            vocab_size=VOCAB_SIZE,
+            max_seq_len=self.seq_len,
+            tie_embeddings=True,
+            name=name,
+        )
+
+
+@dataclass
+class TrainResult:
+    model: Decoder
+    losses: list[float]
+    wall_time_s: float
+    tokens_seen: int
+
+
+# -- data --------------------------------------------------------------------------------------------------------
+def stdlib_dir() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def training_files(root: Path | None = None) -> list[Path]:
+    """The stdlib's top-level modules minus the held-out ones, sorted by name.
+
+    Top-level modules only: packages such as ``test``, ``idlelib``, ``tkinter`` and ``lib2to3`` are split off or
+    dropped by some distributions, while the top-level modules are part of every CPython installation.
+    """
+    root = stdlib_dir() if root is None else root
+    return sorted(p for p in root.glob("*.py") if p.name not in HELDOUT_FILES)
+
+
+def training_corpus(root: Path | None = None) -> torch.Tensor:
+    """The training files' bytes, each followed by ``EOT``: ``[N]`` int16 (half the memory of int64)."""
+    chunks = []
+    for path in training_files(root):
+        chunks.append(torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8).to(torch.int16))
+        chunks.append(torch.tensor([EOT], dtype=torch.int16))
+    return torch.cat(chunks)
+
+
+def heldout_text(root: Path | None = None) -> str:
+    """The held-out files, joined by ``<|endoftext|>``: the text shipped as ``kvlab/data/stdlib_heldout.txt``."""
+    root = stdlib_dir() if root is None else root
+    return EOT_TEXT.join((root / name).read_text(encoding="utf-8") for name in HELDOUT_FILES)
+
+
+def sample_batch(corpus: torch.Tensor, cfg: TrainConfig, gen: torch.Generator) -> torch.Tensor:
+    """``[batch_size, seq_len + 1]`` int64: inputs are ``[:, :-1]``, targets ``[:, 1:]``."""
+    n = cfg.seq_len + 1
+    rows = []
+    for _ in range(cfg.batch_size):
+        kind = float(torch.rand((), generator=gen))
+        if kind < cfg.needle_fraction:
+            rows.append(_needle_row(corpus, n, cfg.max_needles, gen))
+        elif kind < cfg.needle_fraction + cfg.repeat_fraction:
+            rows.append(_repeat_row(corpus, n, gen))
+        else:
+            rows.append(_window(corpus, n, gen))
+    return torch.stack(rows)
+
+
+def _window(corpus: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:
+    start = int(torch.randint(len(corpus) - n + 1, (), generator=gen))
+    return corpus[start : start + n].long()
+
+
+def _needle_row(corpus: torch.Tensor, n: int, max_needles: int, gen: torch.Generator) -> torch.Tensor:
+    """A window with 1..max_needles ``key = value`` lines, each planted once and repeated later.
+
+    Which line goes at each planting point is a random interleaving in which every line's first appearance comes
+    before its second, so the gap between a needle and its query ranges over the context.
+    """
+    k = int(torch.randint(1, max_needles + 1, (), generator=gen))
+    keys = torch.randperm(10**NEEDLE_DIGITS, generator=gen)[:k].tolist()
+    values = torch.randint(10**NEEDLE_DIGITS, (k,), generator=gen).tolist()
+    lines = [torch.tensor(encode(needle_line(key, value))) for key, value in zip(keys, values, strict=True)]
+    order = torch.arange(k).repeat_interleave(2)[torch.randperm(2 * k, generator=gen)].tolist()
+    return _plant(_window(corpus, n - 2 * k * NEEDLE_LEN, gen), [lines[i] for i in order], gen)
+
+
+def _repeat_row(corpus: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:
+    """A window with a span of stdlib text (16 to n/4 tokens) planted twice, at a random gap.
+
+    Predicting the second copy pays only by finding the first one by its content (an induction head), the
+    mechanism needle recall needs; needles alone give too few such tokens for it to form in a short run.
+    """
+    span = _window(corpus, int(torch.randint(16, n // 4 + 1, (), generator=gen)), gen)
+    return _plant(_window(corpus, n - 2 * len(span), gen), [span, span], gen)
+
+
+def _plant(filler: torch.Tensor, inserts: list[torch.Tensor], gen: torch.Generator) -> torch.Tensor:
+    """``filler`` with ``inserts`` placed, in order, at sorted random points of it."""
+    cuts = torch.randint(len(filler) + 1, (len(inserts),), generator=gen).sort().values.tolist()
+    pieces, last = [], 0
+    for cut, insert in zip(cuts, inserts, strict=True):
+        pieces += [filler[last:cut], insert]
+        last = cut
+    pieces.append(filler[last:])
+    return torch.cat(pieces)
+
+
+# -- training ----------------------------------------------------------------------------------------------------
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup, then cosine decay to ``min_lr_ratio * lr``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train(
+    cfg: TrainConfig, corpus: torch.Tensor | None = None, log: Callable[[str], None] | None = print, log_every: int = 50
+) -> TrainResult:
+    """Train a ``Decoder`` from scratch on CPU; ``corpus`` defaults to ``training_corpus()``."""
+    with _deterministic(cfg.threads):
+        return _train(cfg, training_corpus() if corpus is None else corpus, log, log_every)
+
+
+@contextmanager
+def _deterministic(threads: int) -> Iterator[None]:
+    """Fix the thread count and deterministic kernels for the run, then restore the caller's settings."""
+    saved = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved[0])
+        torch.use_deterministic_algorithms(saved[1])
+
+
+def _train(cfg: TrainConfig, corpus: torch.Tensor, log: Callable[[str], None] | None, log_every: int) -> TrainResult:
+    gen = torch.Generator().manual_seed(cfg.seed)
+    model = Decoder(cfg.model_config(), device="cpu", seed=cfg.seed).train()
+    params = list(model.parameters())
+    # Decay the matrices only: shrinking a norm's gain fights the normalisation instead of regularising.
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+    losses: list[float] = []
+    start = time.perf_counter()
+    for step in range(cfg.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        batch = sample_batch(corpus, cfg, gen)
+        logits = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        losses.append(loss.item())
+        if log is not None and ((step + 1) % log_every == 0 or step + 1 == cfg.steps):
+            elapsed = time.perf_counter() - start
+            recent = losses[-log_every:]
+            log(
+                f"step {step + 1}/{cfg.steps}  loss {sum(recent) / len(recent):.4f}  lr {lr_at(step, cfg):.2e}  "
+                f"{elapsed:.0f}s  {(step + 1) * batch.numel() / elapsed:.0f} tok/s"
+            )
+    wall = time.perf_counter() - start
+    return TrainResult(model.eval(), losses, wall, cfg.steps * cfg.batch_size * (cfg.seq_len + 1))
+
+
+# -- evaluation, checkpoint and card -----------------------------------------------------------------------------
+def evaluate(model: Decoder, context: int, n_trials: int = 20) -> dict:
+    """What the card records: held-out perplexity (the fixed slice and the whole text) and needle recall."""
+    tokens = heldout_tokens()
+    sliced = perplexity(model, tokens[:EVAL_SLICE], context=context, progress=False)
+    whole = perplexity(model, tokens, context=context, progress=False)
+    needles = needle_recall(model, [context], NEEDLE_DEPTHS, n_trials=n_trials, progress=False)
+    return {
+        "heldout_file": HELDOUT_FILE,
+        "slice": [0, EVAL_SLICE],
+        "context": context,
+        "prefill_tokens": sliced.prefill_tokens,
+        "perplexity": sliced.ppl,
+        "whole_heldout": {"tokens": len(tokens), "scored": whole.n_scored, "perplexity": whole.ppl},
+        "needle": [
+            {"context": r.context, "depth": r.depth, "distance": r.distance, "accuracy": r.accuracy} for r in needles
+        ],
+        "needle_trials": n_trials,
+    }
+
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if "model name" in line]
+        cpu = names[0] if names else cpu
+    return {
+        "cpu": cpu,
+        "logical_cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def write_checkpoint(out: Path, name: str, model: Decoder, record: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, out / f"{name}.safetensors")
+    (out / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out / f"{name}.md").write_text(card(name, record, (out / f"{name}.safetensors").stat().st_size))
+
+
+def card(name: str, record: dict, size_bytes: int) -> str:
+    m, t, e, run = record["model"], record["training"], record["eval"], record["run"]
+    needle_rows = "\n".join(f"| {n['depth']:.2f} | {n['distance']} | {n['accuracy']:.2f} |" for n in e["needle"])
+    n_params = run["n_params"]
+    return f"""# {name}
+
+A {m["n_layers"]}-layer byte-level Llama-style decoder ({n_params / 1e6:.2f} M parameters, fp32,
+{size_bytes / 1e6:.2f} MB), trained on CPU for kvlab's lessons on KV-cache mitigations. It is small enough to
+train in minutes and to run quality sweeps on a laptop; it is not a useful language model.
+
+## Shape
+d_model {m["d_model"]}, {m["n_heads"]} query heads and {m["n_kv_heads"]} KV heads (GQA), head_dim {m["head_dim"]},
+SwiGLU d_ff {m["d_ff"]}, RoPE theta {m["rope_theta"]:g}, tied embeddings, vocabulary {m["vocab_size"]} (256 bytes
+and `<|endoftext|>`), trained at {t["seq_len"]} tokens (`max_seq_len`). Past {t["seq_len"]} tokens the model meets
+RoPE positions it never saw in training.
+
+## Data
+- **Python's standard library**, the top-level `.py` modules of the interpreter that ran the training
+  ({run["training_files"]} files, {run["corpus_tokens"]:,} tokens, Python {run["machine"]["python"]}), each file
+  followed by `<|endoftext|>`. Why this text: it is on every machine that has Python, needs no download, is
+  under the PSF licence, and has long-range structure, such as imports and names defined hundreds of lines
+  before their use, which gives attention over a long context something to find. Packages (`test`, `idlelib`,
+  `tkinter`, ...) are left out because some distributions split them off.
+- **Needle task**, in {t["needle_fraction"]:.0%} of sequences: 1 to {t["max_needles"]} lines
+  `# key KKKK = VVVV` planted at random points of a stdlib window, each repeated later, so predicting the
+  repeated value means looking it up by key across the context.
+- **Held out**: {", ".join(f"`{f}`" for f in HELDOUT_FILES)}, excluded from training by name on every Python
+  version. `kvlab/data/{e["heldout_file"]}` holds them as they are in Python {run["machine"]["python"]}
+  ({e["whole_heldout"]["tokens"]:,} bytes, joined by `<|endoftext|>`), so the evaluation text is the same on
+  every machine. Copyright Python Software Foundation, under the PSF License Agreement
+  (https://docs.python.org/3/license.html).
+
+## Training
+{t["steps"]} steps of {t["batch_size"]} x {t["seq_len"] + 1} tokens ({run["tokens_seen"]:,} tokens), AdamW
+(betas 0.9/0.95, weight decay {t["weight_decay"]} on matrices), lr {t["lr"]:g} with {t["warmup_steps"]} warmup
+steps and cosine decay to {t["min_lr_ratio"]:g}x, gradient clip {t["grad_clip"]}, seed {t["seed"]},
+{t["threads"]} threads.
+
+- Final train loss (mean of the last 50 steps): **{run["final_loss"]:.4f}** nats/byte
+- Training wall time: **{run["wall_time_s"] / 60:.1f} min** on {run["machine"]["cpu"]}
+  ({run["machine"]["logical_cpus"]} logical CPUs, torch {run["machine"]["torch"]}). Load average at start and
+  end: {run["load_start"]} / {run["load_end"]}; the cores were shared with other jobs, so an idle machine is
+  faster.
+- Date: {run["date"]}
+
+## Evaluation (full KV cache, streamed: prefill {e["prefill_tokens"]} token, then one decode step per token)
+- Held-out perplexity, the recorded slice (tokens {e["slice"][0]}..{e["slice"][1]}, context {e["context"]}):
+  **{e["perplexity"]:.4f}** ({math.log2(e["perplexity"]):.3f} bits/byte). `tests/test_train.py` reproduces it.
+- Whole held-out text, context {e["context"]} ({e["whole_heldout"]["scored"]:,} tokens scored):
+  {e["whole_heldout"]["perplexity"]:.4f}
+- Needle recall at context {e["context"]}, {e["needle_trials"]} trials per depth (exact match of 4 digits):
+
+| depth | distance (tokens) | accuracy |
+|---|---|---|
+{needle_rows}
+
+## Reproduce
+```
+{run["command"]}
+```
+Determinism: the same seed, thread count, torch build and CPU give bit-identical losses and weights. Another
+thread count, CPU or torch version may reorder floating-point sums, and another Python version has a different
+standard library to train on, so numbers then differ slightly; the held-out evaluation text does not change.
+"""
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m kvlab.train", description=__doc__.split("\n\n")[0])
+    for f in dataclasses.fields(TrainConfig):
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    parser.add_argument("--name", default="kvlab-tiny-stdlib", help="checkpoint name (file stem)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "data", help="output folder")
+    parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument(
+        "--write-heldout", action="store_true", help=f"(re)write {HELDOUT_FILE} from this Python's stdlib first"
+    )
+    args = parser.parse_args(argv)
+    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    if args.write_heldout:
+        (args.out / HELDOUT_FILE).write_text(heldout_text(), encoding="utf-8")
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    corpus = training_corpus()
+    result = train(cfg, corpus, log=lambda s: print(s, flush=True), log_every=args.log_every)
+    load_end = [round(x, 2) for x in os.getloadavg()]
+    print("evaluating ...", flush=True)
+    model_cfg = dataclasses.asdict(cfg.model_config(args.name))
+    record = {
+        "model": model_cfg,
+        "training": dataclasses.asdict(cfg),
+        "eval": evaluate(result.model, cfg.seq_len),
+        "run": {
+            "final_loss": sum(result.losses[-50:]) / len(result.losses[-50:]),
+            "wall_time_s": round(result.wall_time_s, 1),
+            "tokens_seen": result.tokens_seen,
+            "n_params": sum(p.numel() for p in result.model.parameters()),
+            "training_files": len(training_files()),
+            "corpus_tokens": len(corpus),
+            "load_start": load_start,
+            "load_end": load_end,
+            "date": datetime.date.today().isoformat(),
+            "machine": machine(),
+            "command": "python -m kvlab.train " + " ".join(argv),
+        },
+    }
+    write_checkpoint(args.out, args.name, result.model, record)
+    print(json.dumps({k: record[k] for k in ("eval", "run")}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

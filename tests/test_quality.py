@@ -1,0 +1,176 @@
+"""Quality measures against brute force: one full forward pass scores what the streamed cache should."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from kvlab.cache.contiguous import ContiguousKVCache
+from kvlab.config import ModelConfig
+from kvlab.model import Decoder
+from kvlab.pretrained import heldout_tokens, load_pretrained
+from kvlab.quality import (
+    NEEDLE_DIGITS,
+    NEEDLE_LEN,
+    QUERY_LEN,
+    full_cache,
+    needle_line,
+    needle_prompts,
+    needle_recall,
+    perplexity,
+    query_line,
+)
+from kvlab.tokenizer import VOCAB_SIZE, decode
+
+
+@pytest.fixture(scope="module")
+def model() -> Decoder:
+    """A tiny random model whose predictions depend strongly on context (weights 10x the usual init)."""
+    cfg = ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=VOCAB_SIZE, max_seq_len=256)
+    m = Decoder(cfg, device="cpu", seed=0)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.mul_(10)
+    return m
+
+
+@pytest.fixture(scope="module")
+def text() -> torch.Tensor:
+    return heldout_tokens()[:200]
+
+
+class ForgetfulCache(ContiguousKVCache):
+    """Keeps only the newest step's tokens: every ``reserve`` first drops all it held."""
+
+    def reserve(self, n_new: int) -> int:
+        self.reset()
+        return super().reserve(n_new)
+
+
+def forgetful(model: Decoder, batch_size: int, capacity: int) -> ContiguousKVCache:
+    cfg = model.cfg
+    return ForgetfulCache(cfg.n_layers, batch_size, capacity, cfg.n_kv_heads, cfg.head_dim)
+
+
+def brute_force_nll(model: Decoder, tokens: torch.Tensor, context: int, prefill: int) -> torch.Tensor:
+    """Mean NLL per scored position ``[context - prefill]`` from one full forward pass over each segment."""
+    n = len(tokens) // context
+    segments = tokens[: n * context].view(n, context)
+    with torch.no_grad():
+        logp = F.log_softmax(model(segments).float(), dim=-1)
+    nll = -logp[:, :-1].gather(-1, segments[:, 1:, None]).squeeze(-1)  # [n, context - 1], predicting 1..C-1
+    return nll[:, prefill - 1 :].double().mean(dim=0)
+
+
+@pytest.mark.parametrize(("context", "prefill", "batch_size"), [(48, 1, 16), (48, 20, 2), (64, 63, 1)])
+def test_streamed_perplexity_matches_one_forward_pass(
+    model: Decoder, text: torch.Tensor, context: int, prefill: int, batch_size: int
+) -> None:
+    got = perplexity(model, text, context=context, prefill_tokens=prefill, batch_size=batch_size, progress=False)
+    want = brute_force_nll(model, text, context, prefill)
+    assert got.n_segments == len(text) // context
+    assert got.n_scored == got.n_segments * (context - prefill)
+    assert_close(torch.tensor(got.nll_by_position, dtype=torch.float64), want, rtol=1e-4, atol=1e-5)
+    assert_close(got.ppl, float(want.mean().exp()), rtol=1e-4, atol=0)
+
+
+def test_the_cache_policy_acts_while_streaming(model: Decoder, text: torch.Tensor) -> None:
+    full = perplexity(model, text, context=48, prefill_tokens=8, progress=False)
+    forgot = perplexity(model, text, context=48, prefill_tokens=8, make_cache=forgetful, progress=False)
+    # The first scored prediction comes from the prefill, which saw the whole chunk either way; the later ones
+    # were decoded through a cache that had forgotten everything, so they must differ.
+    assert_close(forgot.nll_by_position[0], full.nll_by_position[0], rtol=1e-4, atol=1e-5)
+    assert abs(forgot.ppl - full.ppl) > 0.01 * full.ppl
+
+
+def test_factory_gets_batch_and_capacity(model: Decoder, text: torch.Tensor) -> None:
+    calls = []
+
+    def spy(m: Decoder, batch_size: int, capacity: int) -> ContiguousKVCache:
+        calls.append((batch_size, capacity))
+        return full_cache(m, batch_size, capacity)
+
+    perplexity(model, text, context=64, make_cache=spy, batch_size=2, progress=False)
+    assert calls == [(2, 64), (1, 64)]
+
+
+def test_needle_prompts_plant_the_needle_at_the_depth() -> None:
+    filler = heldout_tokens()[:1000]
+    prompts, answers, pos = needle_prompts(context=200, depth=0.5, n_trials=3, filler=filler, seed=7)
+    assert prompts.shape == (3, 200) and answers.shape == (3, NEEDLE_DIGITS)
+    assert pos == round(0.5 * (200 - NEEDLE_LEN - QUERY_LEN))
+    for prompt, answer in zip(prompts, answers, strict=True):
+        key = int(decode(prompt[-QUERY_LEN:]).split()[-2])
+        assert decode(prompt[-QUERY_LEN:]) == query_line(key)
+        assert decode(prompt[pos : pos + NEEDLE_LEN]) == needle_line(key, int(decode(answer)))
+    again, _, _ = needle_prompts(context=200, depth=0.5, n_trials=3, filler=filler, seed=7)
+    other, _, _ = needle_prompts(context=200, depth=0.5, n_trials=3, filler=filler, seed=8)
+    assert torch.equal(prompts, again) and not torch.equal(prompts, other)
+
+
+def brute_force_greedy(model: Decoder, prompts: torch.Tensor) -> list[str]:
+    """Greedy continuation by re-running the whole sequence each step, no cache."""
+    seqs = prompts.clone()
+    with torch.no_grad():
+        for _ in range(NEEDLE_DIGITS):
+            seqs = torch.cat((seqs, model(seqs)[:, -1].argmax(-1, keepdim=True)), dim=1)
+    return [decode(s) for s in seqs[:, prompts.shape[1] :]]
+
+
+@pytest.mark.parametrize("which", ["random", "shipped"])
+def test_needle_recall_matches_brute_force_greedy(model: Decoder, which: str) -> None:
+    m = model if which == "random" else load_pretrained("kvlab-tiny-stdlib", device="cpu")
+    filler = heldout_tokens()
+    contexts, depths, n = [64, 96], [0.0, 1.0], 4
+    results = needle_recall(
+        m, contexts, depths, n_trials=n, seed=3, prefill_tokens=5, batch_size=3, filler=filler, progress=False
+    )
+    assert [(r.context, r.depth) for r in results] == [(c, d) for c in contexts for d in depths]
+    for r in results:
+        prompts, answers, pos = needle_prompts(r.context, r.depth, n, filler, seed=3)
+        want = brute_force_greedy(m, prompts)
+        assert list(r.predictions) == want
+        assert list(r.answers) == [decode(a) for a in answers]
+        assert r.n_correct == sum(p == a for p, a in zip(want, r.answers, strict=True))
+        assert r.accuracy == r.n_correct / n and r.distance == r.context - pos
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"tokens": torch.zeros(2, 100, dtype=torch.long)}, "tokens"),
+        ({"tokens": torch.zeros(100)}, "tokens"),
+        ({"tokens": list(range(10))}, "tokens"),
+        ({"context": 1}, "context"),
+        ({"prefill_tokens": 0}, "prefill_tokens"),
+        ({"prefill_tokens": 32}, "prefill_tokens"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"make_cache": "full"}, "make_cache"),
+    ],
+)
+def test_perplexity_rejects_bad_inputs(model: Decoder, text: torch.Tensor, kwargs: dict, name: str) -> None:
+    args = {"tokens": text, "context": 32, "progress": False, **kwargs}
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        perplexity(model, **args)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"contexts": []}, "contexts"),
+        ({"contexts": [NEEDLE_LEN + QUERY_LEN]}, "contexts"),
+        ({"contexts": [64.0]}, "contexts"),
+        ({"depths": [1.5]}, "depths"),
+        ({"depths": []}, "depths"),
+        ({"n_trials": 0}, "n_trials"),
+        ({"make_cache": None}, "make_cache"),
+        ({"filler": torch.zeros(0, dtype=torch.long)}, "filler"),
+    ],
+)
+def test_needle_recall_rejects_bad_inputs(model: Decoder, kwargs: dict, name: str) -> None:
+    args = {"contexts": [64], "depths": [0.5], "n_trials": 2, "progress": False, **kwargs}
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        needle_recall(model, **args)
