@@ -200,7 +200,7 @@ def needle_recall(
             predicted = torch.cat(
                 [_greedy_answer(model, p, make_cache, prefill_tokens, bar) for p in prompts.split(batch_size)]
             )
-            correct = (predicted.cpu() == answers).all(dim=-1)
+            n_correct = int((predicted.cpu() == answers).all(dim=-1).sum())
             results.append(
                 NeedleResult(
                     context=context,
@@ -208,8 +208,8 @@ def needle_recall(
                     needle_position=position,
                     distance=context - position,
                     n_trials=n_trials,
-                    n_correct=int(correct.sum()),
-                    accuracy=float(correct.float().mean()),
+                    n_correct=n_correct,
+                    accuracy=n_correct / n_trials,
                     predictions=tuple(decode(p) for p in predicted),
                     answers=tuple(decode(a) for a in answers),
                 )

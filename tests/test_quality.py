@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
+from kvlab import quality
 from kvlab.cache.contiguous import ContiguousKVCache
 from kvlab.config import ModelConfig
 from kvlab.model import Decoder
@@ -111,13 +112,13 @@ def test_needle_prompts_plant_the_needle_at_the_depth() -> None:
     assert torch.equal(prompts, again) and not torch.equal(prompts, other)
 
 
-def brute_force_greedy(model: Decoder, prompts: torch.Tensor) -> list[str]:
-    """Greedy continuation by re-running the whole sequence each step, no cache."""
+def brute_force_greedy(model: Decoder, prompts: torch.Tensor) -> torch.Tensor:
+    """Greedy continuation ``[n, NEEDLE_DIGITS]`` by re-running the whole sequence each step, no cache."""
     seqs = prompts.clone()
     with torch.no_grad():
         for _ in range(NEEDLE_DIGITS):
             seqs = torch.cat((seqs, model(seqs)[:, -1].argmax(-1, keepdim=True)), dim=1)
-    return [decode(s) for s in seqs[:, prompts.shape[1] :]]
+    return seqs[:, prompts.shape[1] :]
 
 
 @pytest.mark.parametrize("which", ["random", "shipped"])
@@ -131,11 +132,22 @@ def test_needle_recall_matches_brute_force_greedy(model: Decoder, which: str) ->
     assert [(r.context, r.depth) for r in results] == [(c, d) for c in contexts for d in depths]
     for r in results:
         prompts, answers, pos = needle_prompts(r.context, r.depth, n, filler, seed=3)
-        want = brute_force_greedy(m, prompts)
-        assert list(r.predictions) == want
+        assert list(r.predictions) == [decode(ids) for ids in brute_force_greedy(m, prompts)]
         assert list(r.answers) == [decode(a) for a in answers]
-        assert r.n_correct == sum(p == a for p, a in zip(want, r.answers, strict=True))
-        assert r.accuracy == r.n_correct / n and r.distance == r.context - pos
+        assert r.distance == r.context - pos
+
+
+def test_needle_recall_counts_exact_matches(model: Decoder, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the first two trials' planted values equal to what the model will say, so two must count as correct."""
+
+    def rigged(context: int, depth: float, n_trials: int, filler: torch.Tensor, seed: int = 0):
+        prompts, answers, pos = needle_prompts(context, depth, n_trials, filler, seed)
+        return prompts, torch.cat((brute_force_greedy(model, prompts[:2]), answers[2:])), pos
+
+    monkeypatch.setattr(quality, "needle_prompts", rigged)
+    (r,) = needle_recall(model, [64], [0.5], n_trials=5, filler=heldout_tokens(), progress=False)
+    assert r.n_correct == 2 + sum(p == a for p, a in zip(r.predictions[2:], r.answers[2:], strict=True))
+    assert r.accuracy == r.n_correct / 5 and r.n_correct >= 2
 
 
 @pytest.mark.parametrize(
