@@ -24,6 +24,7 @@ from kvlab.cache.base import KVCache
 from kvlab.model import Decoder
 from kvlab.pretrained import heldout_tokens
 from kvlab.tokenizer import decode, encode
+from kvlab.validation import require_int
 
 CacheFactory = Callable[[Decoder, int, int], KVCache]
 
@@ -102,11 +103,11 @@ def perplexity(
     of those predictions comes from the prefill's last position; the rest from decode steps.
     """
     tokens = _token_vector(tokens, "tokens")
-    _check_int("context", context, minimum=2)
-    _check_int("prefill_tokens", prefill_tokens, minimum=1)
+    require_int("context", context, 2)
+    require_int("prefill_tokens", prefill_tokens, 1)
     if prefill_tokens >= context:
         raise ValueError(f"prefill_tokens: {prefill_tokens}; allowed: 1 <= prefill_tokens < context={context}")
-    _check_int("batch_size", batch_size, minimum=1)
+    require_int("batch_size", batch_size, 1)
     _check_factory(make_cache)
     n_segments = len(tokens) // context
     if n_segments == 0:
@@ -144,9 +145,9 @@ def needle_prompts(
     Returns ``prompts`` ``[n_trials, context]``, ``answers`` ``[n_trials, NEEDLE_DIGITS]`` and the needle's
     start position.
     """
-    _check_int("context", context, minimum=NEEDLE_LEN + QUERY_LEN + 1)
+    require_int("context", context, NEEDLE_LEN + QUERY_LEN + 1)
     _check_depth("depth", depth)
-    _check_int("n_trials", n_trials, minimum=1)
+    require_int("n_trials", n_trials, 1)
     filler = _token_vector(filler, "filler")
     n_filler = context - NEEDLE_LEN - QUERY_LEN
     position = round(depth * n_filler)
@@ -182,12 +183,12 @@ def needle_recall(
     ``NEEDLE_DIGITS`` generated tokens equal the planted value. ``filler`` defaults to the shipped held-out text.
     """
     contexts, depths = _nonempty("contexts", contexts), _nonempty("depths", depths)
-    _check_int("n_trials", n_trials, minimum=1)
-    _check_int("prefill_tokens", prefill_tokens, minimum=1)
-    _check_int("batch_size", batch_size, minimum=1)
+    require_int("n_trials", n_trials, 1)
+    require_int("prefill_tokens", prefill_tokens, 1)
+    require_int("batch_size", batch_size, 1)
     _check_factory(make_cache)
     for c in contexts:
-        _check_int("contexts", c, minimum=max(NEEDLE_LEN + QUERY_LEN + 1, prefill_tokens + 1))
+        require_int("contexts", c, max(NEEDLE_LEN + QUERY_LEN + 1, prefill_tokens + 1))
     for d in depths:
         _check_depth("depths", d)
     filler = heldout_tokens() if filler is None else filler
@@ -262,11 +263,6 @@ def _token_vector(tokens: torch.Tensor | Sequence[int], name: str) -> torch.Tens
     if len(tokens) == 0:
         raise ValueError(f"{name}: empty; allowed: at least one token")
     return tokens.long()
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}: {value!r} is not allowed; allowed: an integer >= {minimum}")
 
 
 def _check_depth(name: str, value: object) -> None:
