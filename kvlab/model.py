@@ -187,16 +187,7 @@ class Decoder(nn.Module):
         if dtype not in ("fp32", "fp16", "bf16"):
             from kvlab.cache.quantized import QuantizedKVCache  # imported here: codecs are optional machinery
 
-            return QuantizedKVCache(
-                cfg.n_layers,
-                batch_size,
-                capacity,
-                cfg.n_kv_heads,
-                cfg.head_dim,
-                codec=dtype,
-                residual_dtype=cfg.dtype,
-                device=self.device,
-            )
+            return QuantizedKVCache.for_model(self, batch_size, capacity, codec=dtype)
         if cfg.mla is not None:
             from kvlab.mla import LatentKVCache
 

@@ -23,27 +23,14 @@ from tqdm.auto import tqdm
 from kvlab.cache.base import KVCache
 from kvlab.model import Decoder
 from kvlab.pretrained import heldout_tokens
-from kvlab.tokenizer import decode, encode
+from kvlab.tokenizer import ASK, N_PASSKEYS, PASSKEY_BASE, VOCAB_SIZE
 from kvlab.validation import require_int
 
 CacheFactory = Callable[[Decoder, int, int], KVCache]
 
-# The needle is a line of text the model can read like any other; the query repeats its start, so recall is
-# "find the earlier line that begins the same way and copy what followed".
-NEEDLE_DIGITS = 4
-
-
-def needle_line(key: int, value: int) -> str:
-    """The planted line, e.g. ``"\\n# key 0042 = 1234\\n"``; ``query_line(key)`` is its prefix."""
-    return f"{query_line(key)}{value:0{NEEDLE_DIGITS}d}\n"
-
-
-def query_line(key: int) -> str:
-    return f"\n# key {key:0{NEEDLE_DIGITS}d} = "
-
-
-NEEDLE_LEN = len(needle_line(0, 0))
-QUERY_LEN = len(query_line(0))
+# The needle is one passkey token planted in the text, the query is ``<|ask|>``, and the answer is that same
+# passkey: recall succeeds only if the passkey's key and value survive in the cache until the question comes.
+CHANCE = 1 / N_PASSKEYS
 
 
 def full_cache(model: Decoder, batch_size: int, capacity: int) -> KVCache:
@@ -71,8 +58,10 @@ class PerplexityResult:
 
 @dataclass(frozen=True)
 class NeedleResult:
-    """Recall for one (context, depth): the needle starts at ``needle_position``, ``distance`` tokens before the
-    answer is due. ``predictions`` and ``answers`` are the greedy outputs and the planted values, per trial."""
+    """Passkey recall for one (context, depth). The passkey sits at ``needle_position``; the question is the
+    prompt's last token, ``distance`` positions later. ``accuracy`` is the share of trials whose greedy answer is
+    the passkey (chance: ``CHANCE``); ``answer_prob`` the mean probability given to it, which shows a policy
+    blurring the passkey before it flips answers. ``predictions`` and ``answers`` are token ids, per trial."""
 
     context: int
     depth: float
@@ -81,8 +70,9 @@ class NeedleResult:
     n_trials: int
     n_correct: int
     accuracy: float
-    predictions: tuple[str, ...]
-    answers: tuple[str, ...]
+    answer_prob: float
+    predictions: tuple[int, ...]
+    answers: tuple[int, ...]
 
 
 def perplexity(
@@ -137,31 +127,29 @@ def perplexity(
 def needle_prompts(
     context: int, depth: float, n_trials: int, filler: torch.Tensor, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Prompts of exactly ``context`` tokens: filler, the needle line at ``depth``, filler, then the query.
+    """Prompts of exactly ``context`` tokens: filler, a passkey at ``depth``, filler, then ``<|ask|>``.
 
-    ``depth`` 0 puts the needle at the start, 1 right before the query. Each trial draws its own key, value and
-    filler offset (the filler ``[N]`` wraps around when a prompt needs more than it holds), from a stream seeded
-    by ``(seed, context, depth)`` alone, so a cell's trials do not depend on which other cells are run.
-    Returns ``prompts`` ``[n_trials, context]``, ``answers`` ``[n_trials, NEEDLE_DIGITS]`` and the needle's
-    start position.
+    ``depth`` 0 puts the passkey first, 1 right before the question. Each trial draws its own passkey and filler
+    offset (the filler ``[N]`` wraps around when a prompt needs more than it holds), from a stream seeded by
+    ``(seed, context, depth)`` alone, so a cell's trials do not depend on which other cells are run.
+    Returns ``prompts`` ``[n_trials, context]``, ``answers`` ``[n_trials]`` (passkey token ids) and the
+    passkey's position.
     """
-    require_int("context", context, NEEDLE_LEN + QUERY_LEN + 1)
+    require_int("context", context, 3)
     _check_depth("depth", depth)
     require_int("n_trials", n_trials, 1)
     filler = _token_vector(filler, "filler")
-    n_filler = context - NEEDLE_LEN - QUERY_LEN
+    n_filler = context - 2
     position = round(depth * n_filler)
-    rng = random.Random(f"kvlab-needle:{seed}:{context}:{float(depth)!r}")
+    rng = random.Random(f"kvlab-passkey:{seed}:{context}:{float(depth)!r}")
     prompts, answers = [], []
     for _ in range(n_trials):
-        key, value = rng.randrange(10**NEEDLE_DIGITS), rng.randrange(10**NEEDLE_DIGITS)
+        answer = PASSKEY_BASE + rng.randrange(N_PASSKEYS)
         start = rng.randrange(len(filler))
         text = filler[(start + torch.arange(n_filler)) % len(filler)]
-        needle = torch.tensor(encode(needle_line(key, value)))
-        query = torch.tensor(encode(query_line(key)))
-        prompts.append(torch.cat((text[:position], needle, text[position:], query)))
-        answers.append(torch.tensor(encode(f"{value:0{NEEDLE_DIGITS}d}")))
-    return torch.stack(prompts), torch.stack(answers), position
+        prompts.append(torch.cat((text[:position], torch.tensor([answer]), text[position:], torch.tensor([ASK]))))
+        answers.append(answer)
+    return torch.stack(prompts), torch.tensor(answers), position
 
 
 def needle_recall(
@@ -176,60 +164,62 @@ def needle_recall(
     batch_size: int = 16,
     progress: bool = True,
 ) -> list[NeedleResult]:
-    """Exact-match recall of a planted value, for every (context, depth), streaming each prompt through the cache.
+    """Passkey recall for every (context, depth), streaming each prompt through the cache.
 
-    Each prompt (see ``needle_prompts``) is fed as ``perplexity`` feeds a segment; then the answer is decoded
-    greedily, one ``decode_step`` per digit, through the same cache. A trial is correct when all
-    ``NEEDLE_DIGITS`` generated tokens equal the planted value. ``filler`` defaults to the shipped held-out text.
+    Each prompt (see ``needle_prompts``) is fed as ``perplexity`` feeds a segment, so the policy acts from the
+    ``prefill_tokens``-th token on; the answer is the greedy prediction after ``<|ask|>``. ``filler`` defaults to
+    the shipped held-out text.
     """
     contexts, depths = _nonempty("contexts", contexts), _nonempty("depths", depths)
     require_int("n_trials", n_trials, 1)
     require_int("prefill_tokens", prefill_tokens, 1)
     require_int("batch_size", batch_size, 1)
     _check_factory(make_cache)
+    if model.cfg.vocab_size < VOCAB_SIZE:
+        raise ValueError(
+            f"model: vocab_size {model.cfg.vocab_size} has no passkey or <|ask|> tokens; allowed: a model with "
+            f"vocab_size >= {VOCAB_SIZE} (kvlab.tokenizer), such as load_pretrained('kvlab-tiny-stdlib')"
+        )
     for c in contexts:
-        require_int("contexts", c, max(NEEDLE_LEN + QUERY_LEN + 1, prefill_tokens + 1))
+        require_int("contexts", c, max(3, prefill_tokens + 1))
     for d in depths:
         _check_depth("depths", d)
     filler = heldout_tokens() if filler is None else filler
     cells = [(c, d) for c in contexts for d in depths]
-    total = sum(n_trials * (c - prefill_tokens + NEEDLE_DIGITS) for c, _ in cells)
     results = []
-    with _bar(total, "needle recall", progress) as bar:
+    with _bar(sum(n_trials * (c - prefill_tokens + 1) for c, _ in cells), "needle recall", progress) as bar:
         for context, depth in cells:
             prompts, answers, position = needle_prompts(context, depth, n_trials, filler, seed)
-            predicted = torch.cat(
-                [_greedy_answer(model, p, make_cache, prefill_tokens, bar) for p in prompts.split(batch_size)]
+            probs = torch.cat(
+                [_final_probs(model, p, make_cache, prefill_tokens, bar) for p in prompts.split(batch_size)]
             )
-            n_correct = int((predicted.cpu() == answers).all(dim=-1).sum())
+            predicted = probs.argmax(dim=-1)
+            n_correct = int((predicted == answers).sum())
             results.append(
                 NeedleResult(
                     context=context,
                     depth=float(depth),
                     needle_position=position,
-                    distance=context - position,
+                    distance=context - 1 - position,
                     n_trials=n_trials,
                     n_correct=n_correct,
                     accuracy=n_correct / n_trials,
-                    predictions=tuple(decode(p) for p in predicted),
-                    answers=tuple(decode(a) for a in answers),
+                    answer_prob=float(probs.gather(-1, answers[:, None]).mean()),
+                    predictions=tuple(predicted.tolist()),
+                    answers=tuple(answers.tolist()),
                 )
             )
     return results
 
 
-def _greedy_answer(
+def _final_probs(
     model: Decoder, prompts: torch.Tensor, make_cache: CacheFactory, prefill_tokens: int, bar: tqdm
 ) -> torch.Tensor:
-    """``prompts`` ``[B, T]`` -> greedy continuation ``[B, NEEDLE_DIGITS]``, all through one cache."""
+    """``prompts`` ``[B, T]`` -> next-token probabilities after the last one, ``[B, V]`` float32 on the CPU."""
     prompts = prompts.to(model.device)
-    cache = make_cache(model, prompts.shape[0], prompts.shape[1] + NEEDLE_DIGITS - 1)
+    cache = make_cache(model, prompts.shape[0], prompts.shape[1])
     last = deque(_stream(model, prompts, cache, prefill_tokens, bar), maxlen=1)[0]
-    out = [last.argmax(dim=-1)]
-    for _ in range(NEEDLE_DIGITS - 1):
-        out.append(model.decode_step(out[-1], cache).argmax(dim=-1))
-        bar.update(prompts.shape[0])
-    return torch.stack(out, dim=1)
+    return torch.softmax(last.float(), dim=-1).cpu()
 
 
 def _stream(

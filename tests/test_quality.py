@@ -12,18 +12,8 @@ from kvlab.cache.contiguous import ContiguousKVCache
 from kvlab.config import ModelConfig
 from kvlab.model import Decoder
 from kvlab.pretrained import heldout_tokens, load_pretrained
-from kvlab.quality import (
-    NEEDLE_DIGITS,
-    NEEDLE_LEN,
-    QUERY_LEN,
-    full_cache,
-    needle_line,
-    needle_prompts,
-    needle_recall,
-    perplexity,
-    query_line,
-)
-from kvlab.tokenizer import VOCAB_SIZE, decode
+from kvlab.quality import full_cache, needle_prompts, needle_recall, perplexity
+from kvlab.tokenizer import ASK, VOCAB_SIZE, is_passkey
 
 
 @pytest.fixture(scope="module")
@@ -98,31 +88,24 @@ def test_factory_gets_batch_and_capacity(model: Decoder, text: torch.Tensor) -> 
     assert calls == [(2, 64), (1, 64)]
 
 
-def test_needle_prompts_plant_the_needle_at_the_depth() -> None:
+def test_needle_prompts_plant_the_passkey_at_the_depth() -> None:
     filler = heldout_tokens()[:1000]
     prompts, answers, pos = needle_prompts(context=200, depth=0.5, n_trials=3, filler=filler, seed=7)
-    assert prompts.shape == (3, 200) and answers.shape == (3, NEEDLE_DIGITS)
-    assert pos == round(0.5 * (200 - NEEDLE_LEN - QUERY_LEN))
+    assert prompts.shape == (3, 200) and answers.shape == (3,)
+    assert pos == round(0.5 * 198)
     for prompt, answer in zip(prompts, answers, strict=True):
-        key = int(decode(prompt[-QUERY_LEN:]).split()[-2])
-        assert decode(prompt[-QUERY_LEN:]) == query_line(key)
-        assert decode(prompt[pos : pos + NEEDLE_LEN]) == needle_line(key, int(decode(answer)))
+        assert prompt[-1] == ASK and prompt[pos] == answer and bool(is_passkey(answer))
+        assert int(is_passkey(prompt).sum()) == 1, "the passkey appears once, before the question"
+    first, _, _ = needle_prompts(context=200, depth=0.0, n_trials=1, filler=filler, seed=7)
+    last, _, last_pos = needle_prompts(context=200, depth=1.0, n_trials=1, filler=filler, seed=7)
+    assert bool(is_passkey(first[0, 0])) and last_pos == 198 and bool(is_passkey(last[0, -2]))
     again, _, _ = needle_prompts(context=200, depth=0.5, n_trials=3, filler=filler, seed=7)
     other, _, _ = needle_prompts(context=200, depth=0.5, n_trials=3, filler=filler, seed=8)
     assert torch.equal(prompts, again) and not torch.equal(prompts, other)
 
 
-def brute_force_greedy(model: Decoder, prompts: torch.Tensor) -> torch.Tensor:
-    """Greedy continuation ``[n, NEEDLE_DIGITS]`` by re-running the whole sequence each step, no cache."""
-    seqs = prompts.clone()
-    with torch.no_grad():
-        for _ in range(NEEDLE_DIGITS):
-            seqs = torch.cat((seqs, model(seqs)[:, -1].argmax(-1, keepdim=True)), dim=1)
-    return seqs[:, prompts.shape[1] :]
-
-
 @pytest.mark.parametrize("which", ["random", "shipped"])
-def test_needle_recall_matches_brute_force_greedy(model: Decoder, which: str) -> None:
+def test_needle_recall_matches_one_full_forward_pass(model: Decoder, which: str) -> None:
     m = model if which == "random" else load_pretrained("kvlab-tiny-stdlib", device="cpu")
     filler = heldout_tokens()
     contexts, depths, n = [64, 96], [0.0, 1.0], 4
@@ -132,22 +115,38 @@ def test_needle_recall_matches_brute_force_greedy(model: Decoder, which: str) ->
     assert [(r.context, r.depth) for r in results] == [(c, d) for c in contexts for d in depths]
     for r in results:
         prompts, answers, pos = needle_prompts(r.context, r.depth, n, filler, seed=3)
-        assert list(r.predictions) == [decode(ids) for ids in brute_force_greedy(m, prompts)]
-        assert list(r.answers) == [decode(a) for a in answers]
-        assert r.distance == r.context - pos
+        with torch.no_grad():
+            probs = torch.softmax(m(prompts)[:, -1].float(), dim=-1)
+        assert list(r.predictions) == probs.argmax(-1).tolist()
+        assert list(r.answers) == answers.tolist()
+        assert r.n_correct == int((probs.argmax(-1) == answers).sum()) and r.accuracy == r.n_correct / n
+        assert_close(r.answer_prob, float(probs.gather(-1, answers[:, None]).mean()), rtol=1e-4, atol=1e-6)
+        assert r.distance == r.context - 1 - pos
 
 
 def test_needle_recall_counts_exact_matches(model: Decoder, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make the first two trials' planted values equal to what the model will say, so two must count as correct."""
+    """Make the first two trials' passkeys equal to what the model will say, so two must count as correct."""
 
     def rigged(context: int, depth: float, n_trials: int, filler: torch.Tensor, seed: int = 0):
         prompts, answers, pos = needle_prompts(context, depth, n_trials, filler, seed)
-        return prompts, torch.cat((brute_force_greedy(model, prompts[:2]), answers[2:])), pos
+        with torch.no_grad():
+            said = model(prompts[:2])[:, -1].argmax(-1)
+        return prompts, torch.cat((said, answers[2:])), pos
 
     monkeypatch.setattr(quality, "needle_prompts", rigged)
     (r,) = needle_recall(model, [64], [0.5], n_trials=5, filler=heldout_tokens(), progress=False)
     assert r.n_correct == 2 + sum(p == a for p, a in zip(r.predictions[2:], r.answers[2:], strict=True))
     assert r.accuracy == r.n_correct / 5 and r.n_correct >= 2
+
+
+def test_needle_recall_falls_to_chance_when_the_cache_forgets() -> None:
+    """The shipped model finds the passkey with its full cache and not with one that keeps only the newest token."""
+    m = load_pretrained("kvlab-tiny-stdlib", device="cpu")
+    kwargs = {"contexts": [128], "depths": [0.25], "n_trials": 16, "progress": False}
+    (full,) = needle_recall(m, **kwargs)
+    (forgot,) = needle_recall(m, make_cache=forgetful, **kwargs)
+    assert full.accuracy >= 0.9, full
+    assert forgot.accuracy <= 0.25 and forgot.answer_prob < full.answer_prob / 4, forgot
 
 
 @pytest.mark.parametrize(
@@ -169,11 +168,17 @@ def test_perplexity_rejects_bad_inputs(model: Decoder, text: torch.Tensor, kwarg
         perplexity(model, **args)
 
 
+def test_needle_recall_names_a_model_without_passkeys() -> None:
+    cfg = ModelConfig(n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, d_ff=64, vocab_size=257, max_seq_len=64)
+    with pytest.raises(ValueError, match=f"^model: vocab_size 257 .*>= {VOCAB_SIZE}"):
+        needle_recall(Decoder(cfg, device="cpu", seed=0), [32], [0.5], progress=False)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
         ({"contexts": []}, "contexts"),
-        ({"contexts": [NEEDLE_LEN + QUERY_LEN]}, "contexts"),
+        ({"contexts": [2]}, "contexts"),
         ({"contexts": [64.0]}, "contexts"),
         ({"depths": [1.5]}, "depths"),
         ({"depths": []}, "depths"),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 from importlib import resources
 
 import pytest
@@ -11,9 +10,18 @@ import torch
 from torch.testing import assert_close
 
 from kvlab.pretrained import heldout_tokens, list_pretrained, load_pretrained, pretrained_info
-from kvlab.quality import NEEDLE_LEN, perplexity
-from kvlab.tokenizer import EOT, EOT_TEXT, VOCAB_SIZE, decode, encode
-from kvlab.train import HELDOUT_FILES, TrainConfig, lr_at, sample_batch, train, training_corpus, training_files
+from kvlab.quality import CHANCE, needle_recall, perplexity
+from kvlab.tokenizer import ASK, EOT, EOT_TEXT, N_PASSKEYS, VOCAB_SIZE, decode, encode, is_passkey, passkey
+from kvlab.train import (
+    HELDOUT_FILES,
+    TrainConfig,
+    lr_at,
+    sample_batch,
+    split_targets,
+    train,
+    training_corpus,
+    training_files,
+)
 
 TINY = TrainConfig(
     n_layers=1,
@@ -26,7 +34,7 @@ TINY = TrainConfig(
     steps=40,
     lr=3e-3,
     warmup_steps=5,
-    max_needles=1,
+    max_asks=1,
     threads=1,
 )
 SHIPPED = "kvlab-tiny-stdlib"
@@ -37,14 +45,19 @@ def corpus() -> torch.Tensor:
     return training_corpus()
 
 
-def test_tokenizer_round_trips_text_and_the_special_token() -> None:
-    text = f"def f(x):\n    return 'é'{EOT_TEXT}import os\n"
+def test_tokenizer_round_trips_text_and_the_special_tokens() -> None:
+    text = f"def f(x):\n    return 'é'{EOT_TEXT}import os<|passkey:7|> x <|ask|><|passkey:{N_PASSKEYS - 1}|>\n"
     ids = encode(text)
-    assert ids.count(EOT) == 1 and max(ids) < VOCAB_SIZE
-    assert len(ids) == len(text.encode()) - len(EOT_TEXT) + 1
+    assert ids.count(EOT) == 1 and ids.count(ASK) == 1 and max(ids) < VOCAB_SIZE
+    assert [i for i in ids if i > 255 and i not in (EOT, ASK)] == [passkey(7), passkey(N_PASSKEYS - 1)]
     assert decode(ids) == text
+    # Look-alikes stay text: an out-of-range passkey and an unknown name.
+    literal = f"<|passkey:{N_PASSKEYS}|><|nope|>"
+    assert encode(literal) == list(literal.encode()) and decode(encode(literal)) == literal
     with pytest.raises(ValueError, match="^ids:"):
         decode([VOCAB_SIZE])
+    with pytest.raises(ValueError, match="^passkey:"):
+        passkey(N_PASSKEYS)
 
 
 def test_heldout_files_never_enter_training(corpus: torch.Tensor) -> None:
@@ -53,14 +66,32 @@ def test_heldout_files_never_enter_training(corpus: torch.Tensor) -> None:
     assert len(corpus) == sum(p.stat().st_size for p in training_files()) + len(names)
 
 
-def test_needle_rows_repeat_each_planted_line(corpus: torch.Tensor) -> None:
-    cfg = TrainConfig(seq_len=256, batch_size=16, needle_fraction=1.0, max_needles=3)
+def test_needle_rows_plant_one_passkey_and_ask_for_it_later(corpus: torch.Tensor) -> None:
+    cfg = TrainConfig(seq_len=256, batch_size=32, needle_fraction=1.0, max_asks=3)
     batch = sample_batch(corpus, cfg, torch.Generator().manual_seed(1))
-    assert batch.shape == (16, 257) and batch.dtype == torch.long
+    assert batch.shape == (32, 257) and batch.dtype == torch.long
+    gaps = []
     for row in batch:
-        lines = re.findall(r"\n# key \d{4} = \d{4}\n", decode(row))
-        assert 2 <= len(lines) <= 6
-        assert all(lines.count(line) == 2 for line in lines)
+        asks = (row == ASK).nonzero().flatten()
+        keys = is_passkey(row).nonzero().flatten()
+        assert 1 <= len(asks) <= 3 and len(keys) == len(asks) + 1
+        assert len(set(row[keys].tolist())) == 1, "one passkey per row"
+        assert torch.equal(keys[1:], asks + 1), "every ask is followed by the passkey"
+        assert keys[0] < asks[0], "the passkey is planted before the first question"
+        gaps += (asks - keys[0]).tolist()
+    # Log-uniform distances: both short and long gaps occur.
+    assert min(gaps) < 16 and max(gaps) > 64
+
+
+def test_split_targets_scores_text_and_answers_apart() -> None:
+    pk = passkey(5)
+    batch = torch.tensor([[10, 11, pk, 12, 13, ASK, pk, 14, 15]])
+    inputs, text, answers = split_targets(batch)
+    assert torch.equal(inputs, batch[:, :-1])
+    # Ignored: the planted passkey, the question, and the answer (it is scored on its own).
+    assert text.tolist() == [[11, -100, 12, 13, -100, -100, 14, 15]]
+    assert answers.tolist() == [[False, False, False, False, False, True, False, False]]
+    assert batch[:, 1:][answers].tolist() == [pk]
 
 
 def test_lr_warms_up_then_decays_to_the_floor() -> None:
@@ -86,8 +117,12 @@ def test_same_seed_gives_the_same_losses(corpus: torch.Tensor) -> None:
 
 
 def test_train_config_rejects_impossible_mixes() -> None:
-    with pytest.raises(ValueError, match="^max_needles:"):
-        TrainConfig(seq_len=2 * NEEDLE_LEN, max_needles=1)
+    with pytest.raises(ValueError, match="^max_asks:"):
+        TrainConfig(seq_len=16, max_asks=4)
+    with pytest.raises(ValueError, match="^max_asks:"):
+        TrainConfig(max_asks=0)
+    with pytest.raises(ValueError, match="^needle_weight:"):
+        TrainConfig(needle_weight=-1.0)
     with pytest.raises(ValueError, match="^needle_fraction:"):
         TrainConfig(needle_fraction=1.5)
 
@@ -103,12 +138,24 @@ def test_shipped_checkpoint_reproduces_its_recorded_perplexity() -> None:
     assert_close(got.ppl, record["perplexity"], rtol=0.01, atol=0)
 
 
+def test_shipped_checkpoint_reproduces_its_recorded_recall() -> None:
+    record = pretrained_info(SHIPPED)["eval"]
+    cell = record["needle"][len(record["needle"]) // 2]
+    model = load_pretrained(SHIPPED, device="cpu")
+    (got,) = needle_recall(model, [cell["context"]], [cell["depth"]], n_trials=record["needle_trials"], progress=False)
+    assert got.distance == cell["distance"]
+    assert_close(got.accuracy, cell["accuracy"], rtol=0, atol=0.05)
+    assert_close(got.answer_prob, cell["answer_prob"], rtol=0, atol=0.02)
+
+
 def test_shipped_checkpoint_is_small_and_learned_something() -> None:
     info = pretrained_info(SHIPPED)
     assert info["model"]["vocab_size"] == VOCAB_SIZE
     assert len(resources.files("kvlab.data").joinpath(f"{SHIPPED}.safetensors").read_bytes()) <= 10_000_000
     # A byte model that learned nothing scores ln(257) nats; the recorded slice must be far below that.
     assert info["eval"]["perplexity"] < 8
+    # Passkey recall well above chance at every recorded depth.
+    assert all(n["accuracy"] > 10 * CHANCE for n in info["eval"]["needle"])
 
 
 def test_unknown_checkpoint_names_the_known_ones() -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,6 +40,9 @@ from kvlab.cache.codecs import Codec, Encoded, IntCodec, get_codec
 from kvlab.dtypes import canonical_dtype, torch_dtype
 from kvlab.kernels import causal_attention, decode_attention
 from kvlab.validation import require_int
+
+if TYPE_CHECKING:
+    from kvlab.model import Decoder
 
 ATTENTION_PATHS: tuple[str, ...] = ("chunked", "naive", "int-dot")
 KEY_QUANT: tuple[str, ...] = ("per-channel", "per-token")
@@ -115,6 +119,19 @@ class QuantizedKVCache(KVCache):
         self._scratch = torch.empty(2, batch_size, n_kv_heads, scratch_tokens, head_dim, device=device)
         self._scale = 1.0 / math.sqrt(head_dim)
         self.reset()
+
+    @classmethod
+    def for_model(
+        cls, model: Decoder, batch_size: int = 1, capacity: int | None = None, *, codec: str = "int8", **options: Any
+    ) -> QuantizedKVCache:
+        """A cache shaped for ``model``, its residual at the model's dtype; ``options`` are ``__init__``'s
+        (``group_size``, ``residual``, ``attention``, ...). ``functools.partial(..., codec="int4")`` is a cache
+        factory."""
+        cfg = model.cfg
+        capacity = cfg.max_seq_len if capacity is None else capacity
+        options.setdefault("residual_dtype", cfg.dtype)
+        shape = (cfg.n_layers, batch_size, capacity, cfg.n_kv_heads, cfg.head_dim)
+        return cls(*shape, codec=codec, device=model.device, **options)
 
     # -- the KVCache interface -----------------------------------------------------------------------------------
     @property
