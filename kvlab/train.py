@@ -326,7 +326,6 @@ def card(name: str, record: dict, size_bytes: int) -> str:
         f"| {n['depth']:.2f} | {n['distance']} | {n['accuracy']:.2f} | {n['answer_prob']:.3f} |" for n in e["needle"]
     )
     n_params = run["n_params"]
-    notes = "".join(f"- {note}\n" for note in run.get("notes", []))
     return f"""# {name}
 
 A {m["n_layers"]}-layer byte-level Llama-style decoder ({n_params / 1e6:.2f} M parameters, fp32,
@@ -371,7 +370,7 @@ steps and cosine decay to {t["min_lr_ratio"]:g}x, gradient clip {t["grad_clip"]}
   end: {run["load_start"]} / {run["load_end"]}; the run itself adds about {t["threads"]}, more means other jobs
   shared the cores.
 - Date: {run["date"]}
-{notes}
+
 ## Evaluation (full KV cache, streamed: prefill {e["prefill_tokens"]} token, then one decode step per token)
 - Held-out perplexity, the recorded slice (tokens {e["slice"][0]}..{e["slice"][1]}, context {e["context"]}):
   **{e["perplexity"]:.4f}** ({math.log2(e["perplexity"]):.3f} bits/byte). `tests/test_train.py` reproduces it.

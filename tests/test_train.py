@@ -15,6 +15,7 @@ from kvlab.tokenizer import ASK, EOT, EOT_TEXT, N_PASSKEYS, VOCAB_SIZE, decode, 
 from kvlab.train import (
     HELDOUT_FILES,
     TrainConfig,
+    card,
     lr_at,
     sample_batch,
     split_targets,
@@ -156,6 +157,12 @@ def test_shipped_checkpoint_is_small_and_learned_something() -> None:
     assert info["eval"]["perplexity"] < 8
     # Passkey recall well above chance at every recorded depth.
     assert all(n["accuracy"] > 10 * CHANCE for n in info["eval"]["needle"])
+
+
+def test_shipped_card_is_rendered_from_its_record() -> None:
+    data = resources.files("kvlab.data")
+    size = len(data.joinpath(f"{SHIPPED}.safetensors").read_bytes())
+    assert data.joinpath(f"{SHIPPED}.md").read_text() == card(SHIPPED, pretrained_info(SHIPPED), size)
 
 
 def test_unknown_checkpoint_names_the_known_ones() -> None:
