@@ -1,7 +1,11 @@
 """Set kvlab up on a fresh machine, then open the course or run the tests. Standard library only.
 
-    python bootstrap.py course   # install everything, open JupyterLab on lessons/ (headless: run `kvlab bench`)
-    python bootstrap.py test     # install everything, run the linter and every test
+    python3 bootstrap.py course   # install everything, open JupyterLab on lessons/ (headless: run `kvlab bench`)
+    python3 bootstrap.py test     # install everything, run the linter and every test
+
+(``py bootstrap.py ...`` on Windows.) No environment needs to be active, and nothing needs to be on PATH but
+Python itself: the course's own commands find the tools they start (nbgrader's alembic, Jupyter kernels) next to
+the interpreter that runs them.
 
 Where it installs: into the active virtual environment or conda environment if there is one, else into a
 ``.venv`` folder it creates here (system Pythons often refuse ``pip install``).
@@ -47,9 +51,9 @@ def python_to_use() -> str:
     return str(exe)
 
 
-def run(cmd: list[str]) -> None:
+def run(cmd: list[str], env: dict[str, str] | None = None) -> None:
     print("+", " ".join(cmd), flush=True)
-    result = subprocess.run(cmd, cwd=ROOT)
+    result = subprocess.run(cmd, cwd=ROOT, env=env)
     if result.returncode:
         sys.exit(result.returncode)
 
@@ -79,7 +83,9 @@ def course(python: str) -> None:
         )
         run([python, "-m", "kvlab.cli", "bench"])
     else:
-        run([python, "-m", "jupyterlab", "lessons/"])
+        # JupyterLab's terminals should find `kvlab` and `python` of this environment, activated or not.
+        env = dict(os.environ, PATH=os.pathsep.join([str(Path(python).parent), os.environ.get("PATH", "")]))
+        run([python, "-m", "jupyterlab", "lessons/"], env=env)
 
 
 def test(python: str) -> None:
@@ -90,7 +96,7 @@ def test(python: str) -> None:
 def main() -> None:
     commands = {"course": course, "test": test}
     if len(sys.argv) != 2 or sys.argv[1] not in commands:
-        sys.exit(f"usage: python bootstrap.py {{{','.join(commands)}}}")
+        sys.exit(f"usage: python3 bootstrap.py {{{','.join(commands)}}}")
     if sys.version_info < (3, 10):  # noqa: UP036 -- this file runs before anything checks the version
         sys.exit(f"kvlab needs Python 3.10 or newer; this is {platform.python_version()}")
     python = python_to_use()

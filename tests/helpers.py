@@ -1,4 +1,7 @@
-"""Small shared builders for the tests: tiny model shapes that run in milliseconds."""
+"""Small shared builders for the tests: tiny model shapes that run in milliseconds, and a greedy-token check that
+holds on any CPU."""
+
+import torch
 
 from kvlab import ModelConfig
 
@@ -6,3 +9,23 @@ from kvlab import ModelConfig
 def tiny_config(**overrides) -> ModelConfig:
     base = dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=96, vocab_size=101, max_seq_len=128)
     return ModelConfig(**(base | overrides))
+
+
+def assert_greedy_picks(tokens: torch.Tensor, logits: torch.Tensor, rtol: float, atol: float) -> None:
+    """Each id in ``tokens`` (``[..., N]``) is a greedy pick of ``logits`` (``[..., N, V]``), where ``logits`` come
+    from another code path whose logits differ from those that chose ``tokens`` by at most ``atol + rtol * |x|``.
+
+    Two such paths pick the same argmax wherever the top two logits are more than twice that apart; closer, either
+    may win on a given CPU. So a token passes when its logit is within twice that of its row's maximum: the argmax
+    itself, or a token tied with it to rounding. A wrong token (from a wrong mask, position or weight) sits far
+    below the maximum and fails.
+    """
+    top = logits.amax(-1)
+    shortfall = top - logits.gather(-1, tokens[..., None]).squeeze(-1)
+    allowed = 2 * (atol + rtol * top.abs())
+    bad = (shortfall > allowed).nonzero().tolist()
+    assert not bad, (
+        f"tokens at {bad} are not greedy picks: their logits are up to {shortfall.max().item():.3g} below their "
+        f"rows' maximum, allowed {allowed.max().item():.3g}; tokens {tokens.tolist()}, "
+        f"argmax {logits.argmax(-1).tolist()}"
+    )

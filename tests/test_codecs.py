@@ -98,13 +98,16 @@ def test_decoding_a_slice_into_a_buffer_matches_decoding_it_alone(name):
         part = enc.narrow(TOKENS, 8, 8)
         buffer = torch.full((2, 3, 12, 10), math.nan)
         codec.decode(part, out=buffer[:, :, 2:10])
+        # Decoding is elementwise (cast, times scale, plus zero: each one correctly rounded op, no sums), so where
+        # an element sits in the buffer or a vector register cannot change it: equal bit for bit.
         assert_close(buffer[:, :, 2:10], codec.decode(enc)[:, :, 8:16], rtol=0, atol=0)
 
 
 def test_attention_error_falls_as_bits_rise():
     q, k, v = _randn(2, 2, 3, 32, seed=4), _randn(2, 2, 300, 32, seed=5), _randn(2, 2, 300, 32, seed=6)
     err = {name: codec_error(name, q, k, v, group_size=32) for name in CODECS}
-    # Per-group int8 (about 8 bits in a small range) beats e4m3 (3 mantissa bits) on the same groups.
+    # Per-group int8 (about 8 bits in a small range) beats e4m3 (3 mantissa bits) on the same groups. fp32 stores
+    # the input unchanged, so its attention is the same kernel on the same data as the reference: exactly 0.
     assert err["int4"] > err["fp8"] > err["int8"] > err["bf16"] > err["fp16"] > err["fp32"] == 0.0, err
 
 
@@ -134,6 +137,7 @@ def test_chunked_equals_naive(codec, key_quant, chunk_size):
     chunked, naive = _cache(attention="chunked", **kw), _cache(attention="naive", **kw)
     _filled([chunked, naive], [41, 1, 1, 3, 1, 1, 1, 1, 1, 1])  # 51 tokens: 40 quantized, 11 in the residual
     q1, q3 = _randn(2, 1, 4, 16, seed=7), _randn(2, 3, 4, 16, seed=8)
+    # The same dequantized values, but an online softmax over chunks vs one softmax: outputs (|x| < 1) to rounding.
     assert_close(chunked.attend(1, q1), naive.attend(1, q1), rtol=1e-5, atol=1e-6)
     for cache in (chunked, naive):  # a step of 3 new tokens: causal within the step
         cache.reserve(3)
@@ -162,7 +166,10 @@ def test_folding_value_scales_into_p_equals_dequantizing_the_values(name, group_
     values = codec.encode(_randn(2, 3, 24, 10, seed=12), CHANNELS, group_size)
     p = torch.softmax(_randn(2, 3, 4, 24, seed=13), dim=-1)
     folded = folded_value_product(p, values, codec, torch.empty(2, 3, 16, 10))  # chunks of 16: 24 = 16 + 8
-    assert_close(folded, p @ codec.decode(values), rtol=1e-5, atol=1e-6)
+    # Scales applied before or after the sum over 24 tokens: each of the 24 products (|v| < 4) rounds differently,
+    # so an output near 0 can be off by up to ~24 x 2^-24 x 4 = 6e-6 (1e-6 seen); a wrong scale moves it by a share
+    # of the value itself.
+    assert_close(folded, p @ codec.decode(values), rtol=1e-5, atol=6e-6)
 
 
 def test_int_dot_is_close_to_chunked_and_about_as_accurate():
@@ -221,6 +228,7 @@ def test_read_returns_residual_tokens_exactly_and_quantized_ones_within_half_a_s
     cache, exact = _cache(codec="int8"), _cache(residual=96)
     _filled([cache, exact], [30, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1])  # 42 tokens: 32 quantized, and a wrapped ring
     (k, v), (k_ref, v_ref) = cache.read(1), exact.read(1)
+    # The residual ring holds copies of the fp32 input: equal bit for bit.
     assert_close(k[:, :, 32:], k_ref[:, :, 32:], rtol=0, atol=0)
     assert_close(v[:, :, 32:], v_ref[:, :, 32:], rtol=0, atol=0)
     k_scale = _per_element(get_codec("int8").encode(k_ref[:, :, :32], TOKENS, 8).scale, TOKENS, 8, 32)
