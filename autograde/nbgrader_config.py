@@ -20,6 +20,9 @@ c.CourseDirectory.db_url = "sqlite:///" + os.path.join(root, "autograde", "grade
 # Grading runs every notebook in quick mode (NBGRADER_EXECUTION is set); its slowest cell takes seconds, so a cell
 # that needs minutes has hung.
 c.Execute.timeout = 300
+# Every kernel would log that its localhost TCP ports are unencrypted, once per notebook graded; its other warnings
+# are about the kernel, not the student's code (whose warnings are cell output, unaffected).
+c.Execute.extra_arguments = ["--IPKernelApp.log_level=ERROR"]
 
 # nbgrader gives a test cell zero when it writes anything to stderr. The lessons filter warnings in their setup
 # cell; this drops any stray warning or progress bar that still reaches stderr (from C++ code, for instance).

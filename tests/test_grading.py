@@ -1,14 +1,17 @@
 """An autograde round trip on a temporary copy of the course, with synthetic students; scores come from the CSV.
 
-- "perfect" submits the solutions: full marks.
+- "perfect" submits the released lessons with the solutions' answers: full marks.
 - "blank" submits the released lessons untouched: zero.
-- "partial" submits the solutions with specific mistakes, each failing known test cells: the exact partial score.
+- "partial" submits two lessons only, answered with specific mistakes that fail known test cells (the exact partial
+  score), and with one test cell edited, which grading restores and names.
 """
 
 from __future__ import annotations
 
 import csv
+import os
 import re
+import shutil
 from pathlib import Path
 
 import nbformat
@@ -69,55 +72,96 @@ def points(path: Path) -> dict[str, int]:
     return {m["grade_id"]: m["points"] for m in meta if m.get("grade")}
 
 
-def with_mistakes(solution: Path, wrong: dict[str, str], dest: Path) -> Path:
-    nb = nbformat.read(solution, as_version=4)
+# partial edits a test cell whose check its answers pass: grading must restore it, name it, and keep the points.
+EDITED = ("01_bytes_per_step", "check_tpot_ms")
+# The submission times collect records: perfect's given with --time, blank's the files' modification time.
+PERFECT_TIME, PERFECT_UTC = "2025-03-01T17:00+01:00", "2025-03-01 16:00:00+00:00"
+BLANK_MTIME, BLANK_UTC = 1_700_000_000, "2023-11-14 22:13:20+00:00"  # hand-converted from the epoch
+
+
+def answered(root: Path, name: str, dest: Path, wrong: dict[str, str] | None = None, edit: str | None = None) -> Path:
+    """Lesson ``name`` as a student hands it in: the released notebook with the solution's code in each answer cell
+    (or ``wrong``'s, by grade_id), and test cell ``edit`` replaced by ``pass``."""
+    solution = nbformat.read(root / "solutions" / name / f"{name}.ipynb", as_version=4)
+    answers = {
+        c.metadata.nbgrader["grade_id"]: re.sub(r"(?m)^\s*### (BEGIN|END) SOLUTION\n?", "", c.source)
+        for c in solution.cells
+        if c.metadata.get("nbgrader", {}).get("solution")
+    }
+    wrong = dict(wrong or {})
+    nb = nbformat.read(root / "lessons" / name / f"{name}.ipynb", as_version=4)
     for cell in nb.cells:
         grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
-        if grade_id in wrong:
-            cell.source = wrong.pop(grade_id)
-    assert not wrong, f"no answer cells {sorted(wrong)} in {solution.name}"
+        if grade_id in answers:
+            cell.source = wrong.pop(grade_id, answers[grade_id])
+        elif grade_id is not None and grade_id == edit:
+            cell.source = "pass"
+    assert not wrong, f"no answer cells {sorted(wrong)} in {name}"
     dest.mkdir(parents=True, exist_ok=True)
-    nbformat.write(nb, dest / solution.name)
-    return dest / solution.name
+    nbformat.write(nb, dest / f"{name}.ipynb")
+    return dest / f"{name}.ipynb"
 
 
 @pytest.fixture(scope="module")
-def graded(released_course: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def graded(released_course: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The course graded, and what `autograde` printed."""
     root = released_course
+    scratch = tmp_path_factory.mktemp("students")
     for name in LESSONS:
-        run_autograde(root, "collect", "perfect", str(root / "solutions" / name / f"{name}.ipynb"))
-        run_autograde(root, "collect", "blank", str(root / "lessons" / name / f"{name}.ipynb"))
-    scratch = tmp_path_factory.mktemp("partial")
+        perfect = answered(root, name, scratch / "perfect")
+        run_autograde(root, "collect", "perfect", str(perfect), "--time", PERFECT_TIME)
+        blank = scratch / "blank" / f"{name}.ipynb"
+        blank.parent.mkdir(exist_ok=True)
+        shutil.copyfile(root / "lessons" / name / f"{name}.ipynb", blank)
+        os.utime(blank, (BLANK_MTIME, BLANK_MTIME))
+        run_autograde(root, "collect", "blank", str(blank))
     for name, (wrong, _) in MISTAKES.items():
-        notebook = with_mistakes(root / "solutions" / name / f"{name}.ipynb", dict(wrong), scratch)
-        run_autograde(root, "collect", "partial", str(notebook))
-    run_autograde(root, "autograde")
+        edit = EDITED[1] if name == EDITED[0] else None
+        run_autograde(root, "collect", "partial", str(answered(root, name, scratch / "partial", wrong, edit)))
+    result = run_autograde(root, "autograde")
     run_autograde(root, "feedback")
     run_autograde(root, "export")
-    return root
+    return root, result.stdout + result.stderr
 
 
-def scores(root: Path) -> dict[tuple[str, str], tuple[float, float]]:
+def csv_rows(root: Path) -> dict[tuple[str, str], dict[str, str]]:
     with open(root / "autograde" / "exports" / "grades.csv", newline="") as f:
-        return {
-            (r["assignment"], r["student_id"]): (float(r["score"]), float(r["max_score"])) for r in csv.DictReader(f)
-        }
+        return {(r["assignment"], r["student_id"]): r for r in csv.DictReader(f)}
 
 
 def test_scores_from_the_exported_csv(graded):
-    got = scores(graded)
+    root, _ = graded
+    got = {key: (row["score"], row["max_score"]) for key, row in csv_rows(root).items()}
     for name in LESSONS:
-        total = sum(points(graded / "solutions" / name / f"{name}.ipynb").values())
-        assert got[(name, "perfect")] == (total, total), f"{name}: the solution lost points"
-        assert got[(name, "blank")] == (0.0, total), f"{name}: an unanswered lesson earned points"
+        total = float(sum(points(root / "solutions" / name / f"{name}.ipynb").values()))
+        assert got[(name, "perfect")] == (str(total), str(total)), f"{name}: the solution lost points"
+        assert got[(name, "blank")] == ("0.0", str(total)), f"{name}: an unanswered lesson earned points"
+        if name not in MISTAKES:
+            assert got[(name, "partial")] == ("", str(total)), f"{name}: not submitted, so no score, not 0"
     for name, (_, failing) in MISTAKES.items():
-        cell_points = points(graded / "solutions" / name / f"{name}.ipynb")
+        cell_points = points(root / "solutions" / name / f"{name}.ipynb")
         expected = sum(cell_points.values()) - sum(cell_points[g] for g in failing)
-        assert got[(name, "partial")][0] == expected, f"{name}: partial score"
+        assert float(got[(name, "partial")][0]) == expected, f"{name}: partial score"
+
+
+def test_timestamps_in_the_csv(graded):
+    rows = csv_rows(graded[0])
+    for name in LESSONS:
+        assert rows[(name, "perfect")]["timestamp"] == PERFECT_UTC
+        assert rows[(name, "blank")]["timestamp"] == BLANK_UTC
+        assert (rows[(name, "partial")]["timestamp"] != "") == (name in MISTAKES)
+
+
+def test_autograde_names_the_one_edited_test_cell(graded):
+    _, output = graded
+    # Every lesson has hidden tests, so nbgrader itself would flag every test cell of every student.
+    edits = [line for line in output.splitlines() if "edited" in line]
+    assert len(edits) == 1 and edits[0].rsplit(": ", 1)[1] == f"partial {EDITED[0]} ({EDITED[1]})", output
+    assert "has changed!" not in output and "without encryption" not in output
 
 
 def test_grading_happened_in_the_copy(graded):
-    assert graded != REPO and (graded / "autograde" / "gradebook.db").exists()
+    assert graded[0] != REPO and (graded[0] / "autograde" / "gradebook.db").exists()
 
 
 def hidden_expected_values(name: str) -> set[str]:
@@ -139,6 +183,7 @@ def hidden_expected_values(name: str) -> set[str]:
 
 
 def test_feedback_leaks_no_hidden_test_or_expected_value(graded):
+    graded, _ = graded
     pages = {
         p: re.sub(r"<style.*?</style>", "", p.read_text(), flags=re.S)
         for p in graded.glob("autograde/feedback/*/*/*.html")

@@ -1,0 +1,233 @@
+"""The instructor's commands on a one-exercise synthetic lesson in a temporary course: release is all or nothing,
+nothing needs an activated environment, autograde names only the test cells a student edited, and export tells a
+missing submission from a zero. (tests/test_grading.py grades the real lessons; tests/test_instructor_collect.py
+covers collect.)"""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import shutil
+import sqlite3
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbgrader.api import Gradebook
+
+from tests.conftest import BARE_ENV, course_copy, run_autograde
+
+pytestmark = pytest.mark.notebooks
+
+TINY = "00_tiny"
+ANSWER = "def answer():\n    ### BEGIN SOLUTION\n    return 42\n    ### END SOLUTION"
+# The hidden part makes the gradebook's copy of this cell differ from the released one, as in every real lesson.
+CHECK_ANSWER = (
+    "assert answer() == 42, 'answer() should return 42'\n"
+    "### BEGIN HIDDEN TESTS\n"
+    "assert answer() * 2 == 84\n"
+    "### END HIDDEN TESTS"
+)
+# The kernel nbgrader starts must be this environment's interpreter (the system one has no torch), and it must find
+# this environment's tools first on PATH, whatever PATH the instructor had.
+CHECK_KERNEL = (
+    "import os, sys\n"
+    f"assert sys.prefix == {sys.prefix!r}, sys.prefix\n"
+    f"assert os.environ['PATH'].split(os.pathsep)[0] == {os.path.dirname(sys.executable)!r}, os.environ['PATH']\n"
+    "import torch"
+)
+POINTS = {"check_answer": 2, "check_kernel": 1}
+
+
+def cell(source: str, grade_id: str, points: int = 0, solution: bool = False) -> nbformat.NotebookNode:
+    meta = {
+        "grade": bool(points),
+        "grade_id": grade_id,
+        "locked": not solution,
+        "schema_version": 3,
+        "solution": solution,
+        "task": False,
+    }
+    if points:
+        meta["points"] = points
+    return nbformat.v4.new_code_cell(source, metadata={"nbgrader": meta})
+
+
+def tiny_solution(*extra: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [
+        cell(ANSWER, "answer", solution=True),
+        cell(CHECK_ANSWER, "check_answer", POINTS["check_answer"]),
+        cell(CHECK_KERNEL, "check_kernel", POINTS["check_kernel"]),
+        *extra,
+    ]
+    return nb
+
+
+def write_solution(root: Path, nb: nbformat.NotebookNode) -> None:
+    path = root / "solutions" / TINY / f"{TINY}.ipynb"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+
+
+def tiny_course(root: Path) -> Path:
+    course_copy(root, lessons=[])
+    write_solution(root, tiny_solution())
+    return root
+
+
+def student_copy(root: Path, dest: Path, answer: str, check_answer: str | None = None) -> Path:
+    """The released lesson, ``answer`` in its answer cell and, if given, ``check_answer`` in its test cell."""
+    nb = nbformat.read(root / "lessons" / TINY / f"{TINY}.ipynb", as_version=4)
+    for c in nb.cells:
+        grade_id = c.metadata.nbgrader["grade_id"]
+        if grade_id == "answer":
+            c.source = answer
+        elif grade_id == "check_answer" and check_answer is not None:
+            c.source = check_answer
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, dest)
+    return dest
+
+
+def gradebook(root: Path) -> Gradebook:
+    return Gradebook(f"sqlite:///{root / 'autograde' / 'gradebook.db'}", course_id="kvlab")
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    """Every file under lessons/, and the gradebook, by path."""
+    files = [p for p in (root / "lessons").rglob("*") if p.is_file()] + [root / "autograde" / "gradebook.db"]
+    return {str(p.relative_to(root)): p.read_bytes() for p in files if p.exists()}
+
+
+def rows(root: Path) -> dict[tuple[str, str], dict[str, str]]:
+    with open(root / "autograde" / "exports" / "grades.csv", newline="") as f:
+        return {(r["assignment"], r["student_id"]): r for r in csv.DictReader(f)}
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The tiny course released and graded, with PATH cut to the system's: "good" answers right in a file named as
+    a browser names a second download; "tamper" answers wrong and edits the test cell to pass anyway."""
+    root = tiny_course(tmp_path_factory.mktemp("tiny"))
+    run_autograde(root, "release", env=BARE_ENV)
+    scratch = tmp_path_factory.mktemp("students")
+    good = student_copy(root, scratch / f"{TINY} (1).ipynb", "def answer():\n    return 42")
+    tamper = student_copy(root, scratch / "tamper" / f"{TINY}.ipynb", "def answer():\n    return 41", "pass")
+    run_autograde(root, "collect", "good", str(good))
+    run_autograde(root, "collect", "tamper", str(tamper))
+    result = run_autograde(root, "autograde", env=BARE_ENV)
+    run_autograde(root, "export")
+    return root, result.stdout + result.stderr
+
+
+@pytest.fixture
+def graded_copy(graded, tmp_path) -> Path:
+    """A copy of the graded course that a test may change."""
+    shutil.copytree(graded[0], tmp_path / "course")
+    return tmp_path / "course"
+
+
+def test_first_release_without_an_activated_environment(tmp_path):
+    """A failed first release leaves no half-made gradebook; a good one, with only the system's PATH, makes one.
+
+    nbgrader runs ``alembic`` from PATH to create a gradebook; unless the system has its own alembic, that fails
+    without the interpreter's bin/ put first on PATH."""
+    root = tiny_course(tmp_path)
+    # Two cells with one grade_id: nbgrader fails after it has created the gradebook.
+    write_solution(root, tiny_solution(cell("pass", "check_answer", 1)))
+    failed = run_autograde(root, "release", env=BARE_ENV, check=False)
+    assert failed.returncode == 1 and "Traceback" not in failed.stdout
+    assert f"nbgrader failed on {TINY}" in failed.stderr
+    assert not (root / "autograde" / "gradebook.db").exists() and not (root / "lessons").exists()
+
+    write_solution(root, tiny_solution())
+    run_autograde(root, "release", env=BARE_ENV)
+    assert (root / "lessons" / TINY / f"{TINY}.ipynb").is_file()
+    with sqlite3.connect(root / "autograde" / "gradebook.db") as db:
+        assert db.execute("SELECT count(*) FROM alembic_version").fetchone() == (1,)
+
+    nothing = run_autograde(root, "export", check=False)
+    assert nothing.returncode == 1 and "nothing graded yet" in nothing.stderr
+    assert not (root / "autograde" / "exports" / "grades.csv").exists()
+
+
+def test_export_before_any_release_is_refused(tmp_path):
+    root = course_copy(tmp_path, lessons=[])
+    result = run_autograde(root, "export", check=False)
+    assert result.returncode == 1 and "release" in result.stderr and "Traceback" not in result.stderr
+    assert not (root / "autograde" / "exports").exists()
+
+
+def test_scores_missing_and_timestamps_in_the_csv(graded):
+    root, _ = graded
+    got = rows(root)
+    assert set(got) == {(TINY, "good"), (TINY, "tamper")}
+    assert float(got[(TINY, "good")]["score"]) == sum(POINTS.values())
+    # The edited test cell is graded with its released text, which fails on 41.
+    assert float(got[(TINY, "tamper")]["score"]) == POINTS["check_kernel"]
+    for row in got.values():
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\+00:00", row["timestamp"]), row
+
+
+def test_autograde_names_only_the_test_cells_a_student_edited(graded):
+    _, output = graded
+    edits = [line for line in output.splitlines() if "edited" in line]
+    assert len(edits) == 1 and edits[0].rsplit(": ", 1)[1] == f"tamper {TINY} (check_answer)", output
+    for noise in ("has changed!", "Removing existing", "without encryption", "Traceback"):
+        assert noise not in output, output
+
+
+def test_validate_reports_an_edited_test_cell_and_the_check_it_then_fails(graded, tmp_path):
+    root, _ = graded
+    notebook = student_copy(root, tmp_path / "Untitled.ipynb", "def answer():\n    return 41", "pass")
+    result = run_autograde(root, "validate", str(notebook), env=BARE_ENV, check=False)
+    assert result.returncode == 1
+    assert re.search(r"edited.*: check_answer$", result.stdout, re.M), result.stdout
+    assert "failed: assert answer() == 42" in result.stdout and "answer() should return 42" in result.stdout
+    assert "check_kernel" not in result.stdout and "import os, sys" not in result.stdout, result.stdout
+
+
+def test_failed_release_changes_nothing(graded_copy):
+    root = graded_copy
+    before = snapshot(root)
+    write_solution(root, tiny_solution(cell("pass", "check_answer", 1)))
+    result = run_autograde(root, "release", check=False)
+    assert result.returncode == 1 and "lessons/ and the gradebook are as they were" in result.stderr
+    assert snapshot(root) == before
+
+
+def test_unchanged_rerelease_with_submissions_succeeds(graded_copy):
+    before = snapshot(graded_copy)
+    result = run_autograde(graded_copy, "release")
+    assert f"lessons/{TINY}: unchanged" in result.stdout
+    assert {k: v for k, v in snapshot(graded_copy).items() if k.startswith("lessons")} == {
+        k: v for k, v in before.items() if k.startswith("lessons")
+    }
+
+
+# nbgrader's own Gradebook.add_submission trips an SQLAlchemy 2 autoflush warning; the submission is recorded.
+@pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SAWarning")
+def test_refused_rerelease_says_what_to_do_and_that_keeps_other_grades(graded_copy):
+    root = graded_copy
+    with gradebook(root) as gb:  # another lesson's grade, which the fix must keep
+        gb.add_assignment("01_other")
+        gb.add_submission("01_other", "good")
+    before = snapshot(root)
+    write_solution(root, tiny_solution(cell("assert True", "check_new", 1)))
+    refused = run_autograde(root, "release", check=False)
+    assert refused.returncode == 1 and snapshot(root) == before
+    commands = re.findall(r"^    (python -m autograde .*)$", refused.stderr, re.M)
+    assert commands and "--drop-grades" in commands[0], refused.stderr
+    released = run_autograde(root, *commands[0].split()[3:])
+    assert "dropped the grades of 2 submission(s)" in released.stdout
+    lesson = nbformat.read(root / "lessons" / TINY / f"{TINY}.ipynb", as_version=4)
+    assert "check_new" in {c.metadata.nbgrader["grade_id"] for c in lesson.cells}
+    assert not list((root / "autograde" / "autograded").glob(f"*/{TINY}"))
+    assert (root / "autograde" / "submitted" / "good" / TINY / f"{TINY}.ipynb").is_file()
+    with gradebook(root) as gb:
+        assert [s.student.id for s in gb.find_assignment("01_other").submissions] == ["good"]
+        assert gb.find_assignment(TINY).submissions == []

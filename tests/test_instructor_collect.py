@@ -1,0 +1,109 @@
+"""``collect`` on a temporary course copy: the names students' tools give a notebook, one clean error per bad file
+with the others still collected, nbgrader's timestamp.txt, and a word when a submission replaces an earlier one."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from nbgrader.coursedir import CourseDirectory
+
+from tests.conftest import REPO, course_copy, run_autograde
+
+ONE, THREE = "01_bytes_per_step", "03_measuring_tpot"
+
+
+@pytest.fixture
+def course(tmp_path) -> Path:
+    return course_copy(tmp_path / "course", lessons=[ONE, THREE], released=True)
+
+
+def download(tmp_path: Path, lesson: str, name: str, mtime: float | None = None) -> Path:
+    """The released ``lesson`` saved as ``name``, as a student's browser or Jupyter would name it."""
+    path = tmp_path / "downloads" / name
+    path.parent.mkdir(exist_ok=True)
+    shutil.copyfile(REPO / "lessons" / lesson / f"{lesson}.ipynb", path)
+    if mtime is not None:
+        os.utime(path, (mtime, mtime))
+    return path
+
+
+def submitted_files(root: Path) -> set[str]:
+    base = root / "autograde" / "submitted"
+    return {str(p.relative_to(base)) for p in base.rglob("*")} if base.exists() else set()
+
+
+def test_browser_and_jupyter_names_are_collected(course, tmp_path):
+    files = [download(tmp_path, ONE, f"{ONE} (1).ipynb"), download(tmp_path, THREE, f"{THREE}-Copy1.ipynb")]
+    result = run_autograde(course, "collect", "alice", *map(str, files))
+    assert result.stderr == ""
+    for lesson, file in zip([ONE, THREE], files, strict=True):
+        dest = course / "autograde" / "submitted" / "alice" / lesson / f"{lesson}.ipynb"
+        assert dest.read_bytes() == file.read_bytes()
+
+
+def test_untitled_needs_the_lesson_named(course, tmp_path):
+    file = download(tmp_path, ONE, "Untitled1.ipynb")
+    refused = run_autograde(course, "collect", "bob", str(file), check=False)
+    assert refused.returncode == 1 and "--lesson" in refused.stderr and "Traceback" not in refused.stderr
+    assert submitted_files(course) == set()
+    run_autograde(course, "collect", "bob", str(file), "--lesson", ONE)
+    assert submitted_files(course) == {"bob", f"bob/{ONE}", f"bob/{ONE}/{ONE}.ipynb", f"bob/{ONE}/timestamp.txt"}
+
+
+def test_each_bad_file_gets_one_line_and_the_others_are_collected(course, tmp_path):
+    good = download(tmp_path, THREE, f"{THREE}.ipynb")
+    broken = tmp_path / "downloads" / f"{ONE}.ipynb"
+    broken.write_text("<html>a login page, saved as a notebook</html>")
+    missing = tmp_path / "downloads" / f"{ONE} (2).ipynb"
+    result = run_autograde(course, "collect", "dave", str(missing), str(broken), str(good), check=False)
+    assert result.returncode == 1
+    errors = result.stderr.splitlines()
+    assert len(errors) == 2 and "Traceback" not in result.stderr, result.stderr
+    assert str(missing) in errors[0] and "no such file" in errors[0]
+    assert str(broken) in errors[1] and "not a readable notebook" in errors[1]
+    # No folder for the lesson that was not collected: an empty one would make autograde look for it.
+    assert submitted_files(course) == {
+        "dave",
+        f"dave/{THREE}",
+        f"dave/{THREE}/{THREE}.ipynb",
+        f"dave/{THREE}/timestamp.txt",
+    }
+
+
+def test_two_files_for_one_lesson_in_one_command(course, tmp_path):
+    first, second = download(tmp_path, ONE, f"{ONE}.ipynb"), download(tmp_path, ONE, f"{ONE} (1).ipynb")
+    result = run_autograde(course, "collect", "erin", str(first), str(second), check=False)
+    assert result.returncode == 1 and str(second) in result.stderr and str(first) in result.stderr
+    assert (course / "autograde" / "submitted" / "erin" / ONE / f"{ONE}.ipynb").read_bytes() == first.read_bytes()
+
+
+def test_timestamps_as_nbgrader_reads_them_and_replacement_is_reported(course, tmp_path):
+    folder = course / "autograde" / "submitted" / "carol" / ONE
+    # 1_700_000_000 s after the epoch is 2023-11-14 22:13:20 UTC.
+    file = download(tmp_path, ONE, f"carol_{ONE}.ipynb", mtime=1_700_000_000)
+    first = run_autograde(course, "collect", "carol", str(file))
+    assert "replaces" not in first.stdout
+    assert CourseDirectory().get_existing_timestamp(str(folder)) == datetime.datetime(2023, 11, 14, 22, 13, 20)
+
+    again = run_autograde(course, "collect", "carol", str(file), "--time", "2025-03-01T17:00+01:00")
+    assert "replaces the earlier submission" in again.stdout and "2023-11-14 22:13:20" in again.stdout
+    assert CourseDirectory().get_existing_timestamp(str(folder)) == datetime.datetime(2025, 3, 1, 16, 0)
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["../etc", "FILE"], "student"),
+        (["frank", "FILE", "--lesson", "99_nope"], "99_nope"),
+        (["frank", "FILE", "--time", "yesterday-ish"], "--time"),
+    ],
+)
+def test_bad_arguments_are_refused_with_a_message(course, tmp_path, args, says):
+    file = str(download(tmp_path, ONE, f"{ONE}.ipynb"))
+    result = run_autograde(course, "collect", *(file if a == "FILE" else a for a in args), check=False)
+    assert result.returncode != 0 and says in result.stderr and "Traceback" not in result.stderr
+    assert submitted_files(course) == set()
