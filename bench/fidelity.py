@@ -2,12 +2,16 @@
 
     python bench/fidelity.py                 # cpu-small, contexts 2k..32k, plus the transformers comparison
     python bench/fidelity.py --quick         # small sizes, a smoke run
+    python bench/fidelity.py --threads 1     # what a learner's one-thread lesson sees
     python bench/fidelity.py --json out.json --plot out.png
 
 Prints three things, each measured in this one process:
-1. the machine's copy and read bandwidth;
-2. TPOT against context: the line fit (R^2), and the share of the measured copy bandwidth that the weight term
-   (intercept) and the KV term (slope) each reach;
+1. the machine's copy and read bandwidth, with torch's thread count (and at one thread, where that differs);
+2. TPOT against context: the line fit (R^2), and the share of the measured read bandwidth that the weight term
+   (intercept) and the KV term (slope) each reach. Read, not copy: a decode step reads its bytes and writes
+   almost nothing, and a copy's figure counts each byte twice. On the AMD machine in docs/cpu_performance.md the
+   weight matvecs (``x @ W`` with one row) ran on one thread however many torch was granted, so the weight term
+   is also set against the one-thread read bandwidth;
 3. kvlab's decode step against Hugging Face transformers' at the same weights and context, with transformers'
    preallocated ``StaticCache`` and its default ``DynamicCache``, alternating step by step so that both see the
    same machine state.
@@ -29,7 +33,7 @@ import torch
 from kvlab import Decoder, get_model
 from kvlab.bench import environment, sweep_context
 from kvlab.cli import parse_tokens
-from kvlab.roofline import measure_bandwidth
+from kvlab.roofline import Bandwidth, bandwidth_buffer_mb, measure_bandwidth, predict_tpot_ms
 
 
 def compare_with_transformers(model: Decoder, context: int, steps: int) -> dict[str, float]:
@@ -79,6 +83,16 @@ def compare_with_transformers(model: Decoder, context: int, steps: int) -> dict[
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def one_thread_bandwidth(device: torch.device, size_mb: float) -> Bandwidth:
+    """The bandwidth one thread reaches, measured with torch held to one thread and then restored."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return measure_bandwidth(device, size_mb=size_mb)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="cpu-small")
@@ -89,6 +103,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=3)
     parser.add_argument("--peer-steps", type=int, default=10)
     parser.add_argument("--device", default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own count)")
     parser.add_argument("--quick", action="store_true", help="cpu-tiny, short contexts")
     parser.add_argument("--json")
     parser.add_argument("--plot")
@@ -96,6 +111,10 @@ def main() -> None:
     if args.quick:
         args.preset, args.contexts, args.peer_contexts, args.peer_steps = "cpu-tiny", "256,512,1k,2k", "1k", 4
 
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads: {args.threads}; allowed: an integer >= 1")
+        torch.set_num_threads(args.threads)
     contexts = [parse_tokens(c) for c in args.contexts.split(",")]
     peer_contexts = [parse_tokens(c) for c in args.peer_contexts.split(",") if c]
     cfg = get_model(args.preset)
@@ -103,11 +122,17 @@ def main() -> None:
     model = Decoder(cfg, device=args.device)
     print("environment:", json.dumps(environment()))
 
-    bw = measure_bandwidth(model.device, size_mb=64 if args.quick else 512)
-    print(
-        f"bandwidth: copy {bw.copy_gbps:.1f} GB/s (best {bw.copy_best_gbps:.1f}), "
-        f"read {bw.read_gbps:.1f} GB/s (best {bw.read_best_gbps:.1f}), {bw.size_mb:.0f} MB buffers"
-    )
+    size_mb = bandwidth_buffer_mb(quick=args.quick)
+    bw = measure_bandwidth(model.device, size_mb=size_mb)
+    bandwidths = [bw]
+    if model.device.type == "cpu" and torch.get_num_threads() > 1:
+        bandwidths.append(one_thread_bandwidth(model.device, size_mb))
+    for b in bandwidths:
+        label = f"{b.threads} thread(s)" if b.threads else b.device
+        print(
+            f"bandwidth, {label}: copy {b.copy_gbps:.1f} GB/s (best {b.copy_best_gbps:.1f}), "
+            f"read {b.read_gbps:.1f} GB/s (best {b.read_best_gbps:.1f}), {b.size_mb:.0f} MB buffers"
+        )
 
     sweep = sweep_context(
         model, contexts, n_tokens=args.tokens, n_requests=args.requests, batch=args.batch, bandwidth=bw
@@ -126,9 +151,12 @@ def main() -> None:
         f"intercept {s['intercept_ms']:.2f} ms (predicted {s['predicted_intercept_ms']:.2f}), R^2 = {s['r2']:.4f}"
     )
     print(
-        f"share of copy bandwidth reached: weight term {s['weight_bandwidth_fraction']:.0%}, "
+        f"share of read bandwidth reached: weight term {s['weight_bandwidth_fraction']:.0%}, "
         f"KV term {s['kv_bandwidth_fraction']:.0%}"
     )
+    if len(bandwidths) > 1:
+        one = predict_tpot_ms(sweep.weight_bytes_read, bandwidths[1].read_gbps)
+        print(f"weight term against one thread's read bandwidth: predicted {one:.2f} ms, {one / s['intercept_ms']:.0%}")
 
     peer = {}
     if peer_contexts:

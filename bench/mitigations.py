@@ -29,7 +29,7 @@ from kvlab.cache import PagedKVCache, WindowKVCache
 from kvlab.cache.base import KVCache
 from kvlab.cache.shared_prefix import SharedPrefixKVCache
 from kvlab.cli import parse_tokens
-from kvlab.roofline import measure_bandwidth
+from kvlab.roofline import bandwidth_buffer_mb, measure_bandwidth
 
 MakeCache = Callable[[Decoder, int, int], KVCache]
 
@@ -104,8 +104,8 @@ def main() -> None:
     base = get_model(args.preset)
     base = base.replace(max_seq_len=max(base.max_seq_len, max(contexts) + 64))
     print("environment:", environment())
-    bw = measure_bandwidth("cpu", size_mb=64 if args.quick else 512)
-    print(f"copy bandwidth {bw.copy_gbps:.1f} GB/s\n")
+    bw = measure_bandwidth("cpu", size_mb=bandwidth_buffer_mb(quick=args.quick))
+    print(f"bandwidth: read {bw.read_gbps:.1f} GB/s, copy {bw.copy_gbps:.1f} GB/s, {bw.threads} thread(s)\n")
 
     mha = Decoder(base, device="cpu")
     rows = [slope_row("MHA fp32 (reference)", mha, contexts, bw, None, args)]

@@ -200,15 +200,16 @@ class Sweep:
 
     @property
     def predicted_slope_us_per_token(self) -> float:
-        """Extra time per extra token of context if the KV bytes streamed at the measured copy bandwidth."""
-        return predict_tpot_ms(self.batch * self.kv_bytes_per_token, self.bandwidth.copy_gbps) * 1e3
+        """Extra time per extra token of context if the KV bytes streamed at the measured read bandwidth."""
+        return predict_tpot_ms(self.batch * self.kv_bytes_per_token, self.bandwidth.read_gbps) * 1e3
 
     @property
     def predicted_intercept_ms(self) -> float:
-        return predict_tpot_ms(self.weight_bytes_read, self.bandwidth.copy_gbps)
+        """Time to stream the weights one step reads at the measured read bandwidth."""
+        return predict_tpot_ms(self.weight_bytes_read, self.bandwidth.read_gbps)
 
     def summary(self) -> dict[str, float]:
-        """The fit next to the prediction, and the share of copy bandwidth each term reached."""
+        """The fit next to the prediction, and the share of the read bandwidth each term reached."""
         fit = self.fit
         slope_us = fit.slope * 1e3
         return {
@@ -285,7 +286,7 @@ class Sweep:
             ctx,
             [p.predicted_tpot_ms for p in self.points],
             "--",
-            label=f"predicted: bytes / {self.bandwidth.copy_gbps:.0f} GB/s measured copy",
+            label=f"predicted: bytes / {self.bandwidth.read_gbps:.0f} GB/s measured read",
         )
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel("time per output token (ms)")
@@ -313,9 +314,14 @@ def sweep_context(
 ) -> Sweep:
     """Measure TPOT at each context length, ``n_requests`` requests of ``n_tokens`` tokens each.
 
-    ``fill="fast"`` fills the cache with random K/V (a step's time depends on the bytes, not their values);
-    ``fill="prefill"`` runs a real prefill of random tokens, and TTFT then includes it. The memory bandwidth is
-    measured in the same run unless given, so the prediction and the measurement share one machine state.
+    The contexts are visited round-robin, one request each per pass, after one warm-up pass: a burst of load from
+    elsewhere on the machine then slows one request at every context instead of every request at one, and the
+    median per context drops it. ``fill="fast"`` fills the cache with random K/V (a step's time depends on the
+    bytes, not their values); ``fill="prefill"`` runs a real prefill of random tokens, and TTFT then includes it.
+
+    The prediction divides bytes by the read bandwidth (a decode step reads; it hardly writes), measured in the
+    same run unless given, so that it shares the machine's state and thread count. A ``bandwidth`` measured with
+    another thread count than torch uses now is refused.
     """
     from tqdm.auto import tqdm
 
@@ -329,20 +335,31 @@ def sweep_context(
     make_cache = make_cache or (lambda m, b, capacity: m.new_cache(b, capacity))
     if bandwidth is None:
         bandwidth = measure_bandwidth(model.device)
+    elif model.device.type == "cpu" and bandwidth.threads not in (None, torch.get_num_threads()):
+        raise ValueError(
+            f"bandwidth: measured with {bandwidth.threads} threads; allowed: one measured with the "
+            f"{torch.get_num_threads()} threads torch uses now (measure it again after set_num_threads)"
+        )
     gen = torch.Generator().manual_seed(0)
     _warm_up(model, make_cache, batch, warmup_steps)
-    points, cache = [], None
-    for context in tqdm(contexts, desc="context sweep", unit="ctx", disable=not progress):
-        del cache  # the previous context's slab must go before the next one is allocated
-        cache = make_cache(model, batch, context + n_tokens)
-        requests = []
-        for _ in range(n_requests + 1):  # the first request only warms this cache's pages
-            prompt = _fill(model, cache, context, fill, gen)
-            requests.append(time_request(model, cache, n_tokens, prompt))
-        step_bytes = weight_bytes_read(model.cfg, batch=batch) + cache.bytes_read_per_step(context)
-        points.append(
-            SweepPoint(context, batch, requests[1:], step_bytes, predict_tpot_ms(step_bytes, bandwidth.copy_gbps))
-        )
+    requests: dict[int, list[RequestTiming]] = {context: [] for context in contexts}
+    step_bytes: dict[int, int] = {}
+    cache = None
+    with tqdm(total=(n_requests + 1) * len(contexts), desc="context sweep", unit="req", disable=not progress) as bar:
+        for round_ in range(n_requests + 1):  # round 0 warms every context's shapes and is not kept
+            for context in contexts:
+                del cache  # the previous slab must go before the next one is allocated
+                cache = make_cache(model, batch, context + n_tokens)
+                prompt = _fill(model, cache, context, fill, gen)
+                timing = time_request(model, cache, n_tokens, prompt)
+                if round_:
+                    requests[context].append(timing)
+                step_bytes[context] = weight_bytes_read(model.cfg, batch=batch) + cache.bytes_read_per_step(context)
+                bar.update()
+    points = [
+        SweepPoint(c, batch, requests[c], step_bytes[c], predict_tpot_ms(step_bytes[c], bandwidth.read_gbps))
+        for c in contexts
+    ]
     return Sweep(
         model=model.cfg.name,
         device=str(model.device),

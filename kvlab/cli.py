@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from kvlab.config import ModelConfig
-from kvlab.dtypes import canonical_dtype
+from kvlab.dtypes import BYTES_PER_ELEMENT, KV_DTYPES, canonical_dtype
 from kvlab.presets import get_gpu, get_model, gpu_presets, model_presets, params_verified
 
 TOKENS_PER_K = 1024
@@ -44,9 +44,9 @@ def parse_tokens(text: str, name: str = "--context") -> int:
     return int(value)
 
 
-def _dtype(text: str, name: str) -> str:
+def _dtype(text: str, name: str, allowed: tuple[str, ...] | None = None) -> str:
     try:
-        return canonical_dtype(text, name)
+        return canonical_dtype(text, name, allowed)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -102,6 +102,24 @@ def _policy_note(p) -> str:
     return f" ({'; '.join(notes)})" if notes else ""
 
 
+def _dtypes_note(dtypes: dict[str, str]) -> str:
+    """``fp8 (embeddings bf16)``: the dtype of most weights, then each component that differs."""
+    base = dtypes.get("other", next(iter(dtypes.values())))
+    differ = [f"{component} {dtype}" for component, dtype in dtypes.items() if dtype != base]
+    return base + (f" ({', '.join(differ)})" if differ else "")
+
+
+def _read_note(cfg: ModelConfig, p) -> str:
+    notes = [f"{p.active_params / 1e9:,.2f}B parameters"]
+    if cfg.moe is not None:
+        m = cfg.moe
+        shared = f" + {m.n_shared_experts} shared" if m.n_shared_experts else ""
+        notes.append(f"{p.experts_read:,.1f} of {m.n_experts} routed experts{shared} per MoE layer at batch {p.batch}")
+    if p.input_embedding == "rows" and not cfg.tie_embeddings:
+        notes.append("one input-embedding row per sequence")
+    return "; ".join(notes)
+
+
 def cmd_predict(args: argparse.Namespace) -> int:
     from kvlab.roofline import predict
 
@@ -114,16 +132,17 @@ def cmd_predict(args: argparse.Namespace) -> int:
     else:
         bandwidth, memory_gb, source = _positive_float(args.bandwidth, "--bandwidth"), None, "given"
     wd = _dtype(args.weight_dtype, "--weight-dtype") if args.weight_dtype else None
-    kd = _dtype(args.kv_dtype, "--kv-dtype") if args.kv_dtype else None
+    kd = _dtype(args.kv_dtype, "--kv-dtype", KV_DTYPES) if args.kv_dtype else None
     window = parse_tokens(args.window, "--window") if args.window else None
     sinks = _count(args.sinks, "--sinks")
     shared = parse_tokens(args.shared_prefix, "--shared-prefix") if args.shared_prefix else 0
-    if sinks and window is None:
-        raise UsageError("--sinks: needs --window; allowed: --window W --sinks S (a step reads S + W tokens)")
-    if shared > context:
-        raise UsageError(f"--shared-prefix: {shared} tokens; allowed: at most --context ({context})")
     group = _positive_int(args.group_size, "--group-size") if args.group_size else None
-    p = predict(cfg, context, bandwidth, batch, wd, kd, window, sinks, shared, group)
+    wgroup = _positive_int(args.weight_group_size, "--weight-group-size") if args.weight_group_size else None
+    try:
+        p = predict(cfg, context, bandwidth, batch, wd, kd, window, sinks, shared, group, wgroup, args.input_embedding)
+    except ValueError as e:  # the byte model names its argument; the command line spells it as a flag
+        field, _, rest = str(e).partition(": ")
+        raise UsageError(f"--{field.replace('_', '-')}: {rest}") from None
     memory_needed = p.weight_bytes + p.kv_bytes
     if args.json:
         out = p.to_dict() | {"attention": cfg.attention_kind, "memory_needed_bytes": memory_needed}
@@ -131,23 +150,31 @@ def cmd_predict(args: argparse.Namespace) -> int:
             out["gpu_memory_bytes"] = round(memory_gb * 1e9)
         print(json.dumps(out, indent=2))
         return 0
-    weights_note = "all parameters"
-    if p.weight_bytes_read != p.weight_bytes:
-        weights_note += f"; a step reads {_gb(p.weight_bytes_read)} (see kvlab.roofline)"
+    dtypes = _dtypes_note(p.weight_dtypes) + (f", {p.weight_group_size}-weight groups" if p.weight_group_size else "")
+    moe = f", {cfg.moe.top_k} of {cfg.moe.n_experts} experts per token" if cfg.moe else ""
+    lo, hi = p.tpot_ms_range
     rows = [
-        ("model", f"{cfg.name} ({cfg.attention_kind}, {cfg.n_layers} layers)"),
-        ("weights", f"{_gb(p.weight_bytes)} in {p.weight_dtype} ({weights_note})"),
+        ("model", f"{cfg.name} ({cfg.attention_kind}, {cfg.n_layers} layers{moe})"),
+        ("weights", f"{_gb(p.weight_bytes)}, all parameters, in {dtypes}"),
+        ("weights read", f"{_gb(p.weight_bytes_read)} ({_read_note(cfg, p)})"),
         ("KV per token", f"{p.kv_bytes_per_token:,} B = {p.kv_bytes_per_token / 1024:,.1f} KiB in {p.kv_dtype}"),
         (f"KV read, {context:,} tok x {batch}", _gb(p.kv_bytes) + _policy_note(p)),
         ("bytes per step", _gb(p.bytes_per_step)),
         ("bandwidth", f"{bandwidth:,.0f} GB/s ({source})"),
-        ("TPOT", f"{p.tpot_ms:,.2f} ms (weights alone {p.tpot_ms_weights_only:,.2f} ms)"),
+        ("TPOT", f"{p.tpot_ms:,.2f} ms at full bandwidth (weights alone {p.tpot_ms_weights_only:,.2f} ms)"),
+        ("TPOT, real systems", f"{lo:,.2f}-{hi:,.2f} ms: {p.tpot_ms_range_basis}"),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
     if memory_gb is not None and memory_needed > memory_gb * 1e9:
         print(f"note: weights + KV need {_gb(memory_needed)}, more than one {gpu.name}'s {memory_gb:g} GB")
+    if cfg.weight_dtypes and wd is None:
+        print("note: weights counted in the dtypes the checkpoint ships in; --weight-dtype overrides them all")
+    if {"int8", "int4"} & set(p.weight_dtypes.values()) and p.weight_group_size is None:
+        print("note: int weights counted without scales; pass --weight-group-size G for group-quantized weights")
+    if cfg.moe is not None:
+        print("note: experts read assume uniform routing (an upper end: real routers favour some experts)")
     if p.kv_dtype in ("fp8", "int8", "int4") and p.group_size is None:
         print("note: payload only; pass --group-size G to count the scales and zero points the codec stores")
     if args.model and not params_verified(cfg.name):
@@ -213,27 +240,39 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from kvlab.roofline import kv_bytes_per_token, param_count
+    from kvlab.roofline import active_params, kv_bytes_per_token, param_count
 
     print(
         f"{'name':<16} {'attention':<9} {'layers':>6} {'d_model':>7} {'heads':>5} {'kv':>4} {'params':>9} "
-        f"{'KV/token bf16':>14}  runnable"
+        f"{'active':>8} {'max ctx':>8} {'KV/token bf16':>14}  runnable"
     )
     for name, c in model_presets().items():
         kv = "-" if c.mla else c.n_kv_heads
+        runnable = "yes" if c.runnable else "no: " + c.not_runnable_reason
         print(
             f"{name:<16} {c.attention_kind:<9} {c.n_layers:>6} {c.d_model:>7} {c.n_heads:>5} {kv:>4} "
-            f"{param_count(c) / 1e9:>8.2f}B {kv_bytes_per_token(c, 'bf16') / 1024:>10.1f} KiB  "
-            f"{'yes' if c.runnable else 'no: ' + c.not_runnable_reason}"
+            f"{param_count(c) / 1e9:>8.2f}B {active_params(c) / 1e9:>7.2f}B {c.max_seq_len:>8,} "
+            f"{kv_bytes_per_token(c, 'bf16') / 1024:>10.1f} KiB  {runnable}"
         )
+    print(
+        "active: parameters a batch-1 step reads (MoE: dense parts, shared and top-k routed experts), the input "
+        "embedding counted whole; DeepSeek's and gpt-oss's published active counts leave it out"
+    )
     return 0
 
 
 def cmd_gpus(args: argparse.Namespace) -> int:
-    print(f"{'name':<16} {'memory':>8} {'bandwidth':>11} {'bf16 dense':>12}")
+    print(f"{'name':<16} {'memory':>8} {'bandwidth':>11} {'bf16 dense':>12} {'fp8 dense':>12}")
+    notes = []
     for g in gpu_presets().values():
-        tflops = "n/a" if g.bf16_tflops is None else f"{g.bf16_tflops:g} TF/s"
-        print(f"{g.name:<16} {g.memory_gb:>5g} GB {g.bandwidth_gbps:>6,.0f} GB/s {tflops:>12}")
+        mark = ""
+        if g.tflops_note:
+            notes.append(f"{g.name}: {g.tflops_note}")
+            mark = "*" * len(notes)
+        bf16, fp8 = (("n/a" if t is None else f"{t:g} TF/s{mark}") for t in (g.bf16_tflops, g.fp8_tflops))
+        print(f"{g.name:<16} {g.memory_gb:>5g} GB {g.bandwidth_gbps:>6,.0f} GB/s {bf16:>12} {fp8:>12}")
+    for i, note in enumerate(notes, 1):
+        print(f"{'*' * i} {note}")
     print(f"source: {next(iter(gpu_presets().values())).source}")
     return 0
 
@@ -251,12 +290,33 @@ def build_parser() -> argparse.ArgumentParser:
     bw.add_argument("--bandwidth", help="memory bandwidth in GB/s")
     p.add_argument("--context", required=True, help="tokens each sequence attends over, e.g. 30000 or 32k")
     p.add_argument("--batch", default="1", help="sequences decoded together (default 1)")
-    p.add_argument("--weight-dtype", help="fp32, fp16, bf16, fp8, int8, int4 (default: the model's)")
-    p.add_argument("--kv-dtype", help="fp32, fp16, bf16, fp8, int8, int4 (default: the model's)")
+    p.add_argument(
+        "--weight-dtype",
+        help=f"{', '.join(BYTES_PER_ELEMENT)} for every weight (default: what the checkpoint ships, per component)",
+    )
+    p.add_argument(
+        "--weight-group-size",
+        help="int8/int4 weights quantized in groups of G: each group adds a 16-bit scale and a 16-bit zero point "
+        "(int4 g64 = 0.5625 B/weight, torchao; g32 = 0.625, gpt-fast; llama.cpp Q4_0 = int4 g64, Q8_0 = int8 g64). "
+        "Omit for int8 with one scale per output channel",
+    )
+    p.add_argument(
+        "--input-embedding",
+        choices=("table", "rows"),
+        default="table",
+        help="charge an untied input embedding whole (table, the default, as most estimates do) or one row per "
+        "sequence (rows: what a step reads)",
+    )
+    p.add_argument("--kv-dtype", help=f"{', '.join(KV_DTYPES)} (default: the model's)")
     p.add_argument("--window", help="keep only the W most recent tokens (plus --sinks); a step reads S + W")
     p.add_argument("--sinks", default="0", help="first tokens kept with --window (StreamingLLM's 4)")
     p.add_argument("--shared-prefix", help="tokens shared by the whole batch and read once per step")
     p.add_argument("--group-size", help="elements sharing one scale/zero point in a quantized KV cache")
+    p.epilog = (
+        "TPOT is the bandwidth bound: the bytes a step reads (MoE: the experts its batch routes to) over the "
+        "bandwidth. 'real systems' divides it by the range of bandwidth fractions published decode measurements "
+        "reached (kvlab/data/published_decode.csv). --context may not exceed the model's max context."
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_predict)
 

@@ -14,10 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvlab.dtypes import TORCH_DTYPES, canonical_dtype
+from kvlab.dtypes import BYTES_PER_ELEMENT, TORCH_DTYPES, canonical_dtype
 from kvlab.validation import require_int
 
 RUNNABLE_ROPE_TYPES = ("default", "llama3")
+# The parts of a checkpoint that can ship in different dtypes: the input embedding table and the LM head, the MoE
+# experts (routed and shared), and everything else (attention, dense MLPs, routers, norms).
+WEIGHT_COMPONENTS = ("embeddings", "experts", "other")
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,31 @@ class MLAConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP: each token runs ``top_k`` of ``n_experts`` routed experts plus every shared one.
+
+    - ``expert_d_ff``: one expert's SwiGLU width; an expert holds ``3 x d_model x expert_d_ff`` weights (gate, up,
+      down), a shared expert the same.
+    - ``n_dense_layers``: the first layers keep a dense MLP of width ``ModelConfig.d_ff`` (DeepSeek's
+      ``first_k_dense_replace``); the rest are MoE layers, each with a router of ``d_model x n_experts`` weights.
+    """
+
+    n_experts: int
+    top_k: int
+    expert_d_ff: int
+    n_shared_experts: int = 0
+    n_dense_layers: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("n_experts", "top_k", "expert_d_ff"):
+            require_int(f"moe.{name}", getattr(self, name))
+        for name in ("n_shared_experts", "n_dense_layers"):
+            require_int(f"moe.{name}", getattr(self, name), 0)
+        if self.top_k > self.n_experts:
+            raise ValueError(f"moe.top_k: {self.top_k}; allowed: at most n_experts={self.n_experts}")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shape of a Llama-style decoder (RMSNorm, RoPE, SwiGLU).
 
@@ -62,8 +90,13 @@ class ModelConfig:
       head is ``qk_nope_head_dim + qk_rope_head_dim``, which ``head_dim`` defaults to and must equal.
     - ``rope_scaling``: Hugging Face's ``rope_parameters`` beyond the default, as sorted ``(key, value)`` pairs
       (``rope_type="llama3"`` is runnable; other types are kept for the record).
-    - ``n_params`` / ``n_active_params``: a published parameter count, for models whose blocks a Llama shape only
-      stands in for (mixture of experts, MLA, GPT-2). ``None`` means count the parameters of the shape itself.
+    - ``moe``: the mixture-of-experts structure (``MoEConfig``); the byte model charges a step only the experts its
+      batch routes to (``kvlab.roofline.active_params``). Not runnable.
+    - ``weight_dtypes``: the dtype each part of the released checkpoint ships in, as sorted ``(component, dtype)``
+      pairs over ``WEIGHT_COMPONENTS`` (DeepSeek-V3: FP8 with BF16 embeddings; gpt-oss: MXFP4 experts). A part not
+      listed ships in ``dtype``. ``None``: everything ships in ``dtype``.
+    - ``n_params``: a published parameter count, for models whose blocks a Llama shape only stands in for (GPT-2).
+      ``None`` means count the parameters of the shape itself.
     """
 
     n_layers: int
@@ -81,8 +114,9 @@ class ModelConfig:
     dtype: str = "fp32"
     layer_windows: tuple[int | None, ...] | None = None
     mla: MLAConfig | None = None
+    moe: MoEConfig | None = None
+    weight_dtypes: tuple[tuple[str, str], ...] | None = None
     n_params: int | None = None
-    n_active_params: int | None = None
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -139,9 +173,21 @@ class ModelConfig:
                 if w is not None:
                     require_int(f"layer_windows[{i}]", w)
             object.__setattr__(self, "layer_windows", windows)
-        for name in ("n_params", "n_active_params"):
-            if getattr(self, name) is not None:
-                require_int(name, getattr(self, name))
+        if self.n_params is not None:
+            require_int("n_params", self.n_params)
+        if self.moe is not None and self.moe.n_dense_layers >= self.n_layers:
+            raise ValueError(
+                f"moe.n_dense_layers: {self.moe.n_dense_layers}; allowed: fewer than n_layers={self.n_layers}"
+            )
+        if self.weight_dtypes is not None:
+            shipped = {}
+            for component, dtype in dict(self.weight_dtypes).items():
+                if component not in WEIGHT_COMPONENTS:
+                    raise ValueError(
+                        f"weight_dtypes: unknown component {component!r}; allowed: {', '.join(WEIGHT_COMPONENTS)}"
+                    )
+                shipped[component] = canonical_dtype(dtype, f"weight_dtypes[{component!r}]", tuple(BYTES_PER_ELEMENT))
+            object.__setattr__(self, "weight_dtypes", tuple(sorted(shipped.items())) or None)
 
     # -- derived shape -------------------------------------------------------------------------------------------
     @property
@@ -164,7 +210,7 @@ class ModelConfig:
 
     @property
     def not_runnable_reason(self) -> str | None:
-        if self.n_active_params is not None:
+        if self.moe is not None:
             return "mixture-of-experts blocks are accounted for by the byte model but not runnable"
         rope_type = dict(self.rope_scaling or ()).get("rope_type", "default")
         if rope_type not in RUNNABLE_ROPE_TYPES:
@@ -183,7 +229,9 @@ class ModelConfig:
         Keys read: ``num_hidden_layers``, ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``,
         ``head_dim``, ``intermediate_size``, ``vocab_size``, ``max_position_embeddings``, ``rope_theta`` (or
         ``rope_parameters.rope_theta``), ``rms_norm_eps``, ``tie_word_embeddings``, ``torch_dtype``/``dtype``,
-        ``sliding_window`` with ``layer_types``, and DeepSeek's MLA keys.
+        ``sliding_window`` with ``layer_types``, DeepSeek's MLA keys, the mixture-of-experts keys of Mixtral,
+        DeepSeek, Qwen-MoE and gpt-oss (see ``_hf_moe``), and ``quantization_config.quant_method`` ``fp8`` or
+        ``mxfp4`` for the shipped weight dtypes.
         """
         hf = _load_hf_dict(source)
         missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads") if k not in hf]
@@ -206,6 +254,7 @@ class ModelConfig:
                 v_head_dim=hf["v_head_dim"],
                 q_lora_rank=hf.get("q_lora_rank"),
             )
+        moe = _hf_moe(hf)
         return cls(
             n_layers=n_layers,
             d_model=hf["hidden_size"],
@@ -213,6 +262,7 @@ class ModelConfig:
             n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
             # transformers' DeepSeek configs set head_dim to the RoPE width; MLA's query/key head is derived instead.
             head_dim=None if mla else hf.get("head_dim"),
+            # a MoE config's intermediate_size is its dense layers' width (DeepSeek) or its experts' (Mixtral)
             d_ff=hf.get("intermediate_size"),
             vocab_size=hf.get("vocab_size", 32000),
             max_seq_len=hf.get("max_position_embeddings", 4096),
@@ -223,6 +273,8 @@ class ModelConfig:
             dtype=dtype,
             layer_windows=_hf_layer_windows(hf, n_layers),
             mla=mla,
+            moe=moe,
+            weight_dtypes=_hf_weight_dtypes(hf, moe),
             name=str(hf.get("_name_or_path") or hf.get("model_type") or "custom"),
         )
 
@@ -282,4 +334,30 @@ def _hf_layer_windows(hf: dict[str, Any], n_layers: int) -> tuple[int | None, ..
     # Mistral and Qwen2 configs carry sliding_window without layer_types; Qwen2 also has an off switch.
     if window and hf.get("use_sliding_window", True):
         return (int(window),) * n_layers
+    return None
+
+
+def _hf_moe(hf: dict[str, Any]) -> MoEConfig | None:
+    """The expert structure, under each family's key names (Mixtral and gpt-oss ``num_local_experts``, DeepSeek
+    ``n_routed_experts``, Qwen-MoE ``num_experts``; experts' width ``moe_intermediate_size``, else
+    ``intermediate_size``)."""
+    n_experts = hf.get("n_routed_experts") or hf.get("num_local_experts") or hf.get("num_experts")
+    if not n_experts:
+        return None
+    return MoEConfig(
+        n_experts=n_experts,
+        top_k=hf.get("num_experts_per_tok") or hf.get("experts_per_token"),
+        expert_d_ff=hf.get("moe_intermediate_size") or hf["intermediate_size"],
+        n_shared_experts=hf.get("n_shared_experts") or 0,
+        n_dense_layers=hf.get("first_k_dense_replace") or 0,
+    )
+
+
+def _hf_weight_dtypes(hf: dict[str, Any], moe: MoEConfig | None) -> tuple[tuple[str, str], ...] | None:
+    # DeepSeek's fp8 checkpoints keep the embedding and LM head in BF16; gpt-oss's mxfp4 covers the experts only.
+    method = (hf.get("quantization_config") or {}).get("quant_method")
+    if method == "fp8":
+        return (("experts", "fp8"), ("other", "fp8")) if moe else (("other", "fp8"),)
+    if method == "mxfp4" and moe:
+        return (("experts", "mxfp4"),)
     return None

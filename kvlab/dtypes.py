@@ -1,7 +1,9 @@
 """Dtype names used across kvlab: one table, so the CLI, the configs and the byte model agree.
 
 Every dtype has a canonical short name (``fp32``, ``bf16``, ...) and a size in bytes per element.
-``int4`` is half a byte: two values share one byte when packed.
+``int4`` is half a byte: two values share one byte when packed. ``mxfp4`` (OCP microscaling FP4, the format
+gpt-oss ships its experts in) is 4.25 bits: 4-bit values plus one 8-bit shared scale per block of 32, so its size
+already includes its scales. It is a weight format only; ``KV_DTYPES`` lists what a KV cache can be stored in.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ BYTES_PER_ELEMENT: dict[str, float] = {
     "fp8": 1,
     "int8": 1,
     "int4": 0.5,
+    "mxfp4": (32 * 4 + 8) / 8 / 32,
 }
+
+KV_DTYPES: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
 
 ALIASES: dict[str, str] = {
     "float32": "fp32",
@@ -31,6 +36,8 @@ ALIASES: dict[str, str] = {
     "e4m3": "fp8",
     "i8": "int8",
     "i4": "int4",
+    "mx_fp4": "mxfp4",
+    "mxfp4_e2m1": "mxfp4",
 }
 
 # Dtypes a Decoder can hold its weights and run in. The others exist only in the byte model
@@ -56,9 +63,9 @@ def canonical_dtype(name: str | torch.dtype, field: str = "dtype", allowed: tupl
     return key
 
 
-def bytes_per_element(name: str | torch.dtype, field: str = "dtype") -> float:
-    """Bytes one element takes in storage: 4 for fp32, 0.5 for packed int4."""
-    return BYTES_PER_ELEMENT[canonical_dtype(name, field)]
+def bytes_per_element(name: str | torch.dtype, field: str = "dtype", allowed: tuple[str, ...] | None = None) -> float:
+    """Bytes one element takes in storage: 4 for fp32, 0.5 for packed int4, 0.53125 for mxfp4 (scales included)."""
+    return BYTES_PER_ELEMENT[canonical_dtype(name, field, allowed)]
 
 
 def torch_dtype(name: str | torch.dtype, field: str = "dtype") -> torch.dtype:

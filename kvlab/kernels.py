@@ -3,7 +3,7 @@
 Decode (one query per sequence) is a matrix-vector product over the whole cache, so its speed is set by how
 the cache's bytes are laid out. Keys stored key-major (``[D, S]`` per head) let ``q @ K`` stream each row of D
 contiguous runs of S values; token-major keys (``[S, D]``) made the same product run at half the bandwidth on
-the course's reference CPU (see PERFORMANCE_NOTES in the design folder).
+a 2-core AMD EPYC (docs/cpu_performance.md, which also shows ``p @ V`` as the slower of the two products).
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """Named model shapes and GPUs, from verified reference figures (sources in ``data/reference_presets.md``).
 
-Real-model presets carry random weights when run: kvlab never downloads a checkpoint. Their MLP width is the one
-that makes a Llama-style block reproduce the published parameter count, which for the Llama, Mistral, Qwen and
-Gemma-2 rows equals the model's own ``intermediate_size``.
+Real-model presets carry random weights when run: kvlab never downloads a checkpoint. A dense preset's MLP width is
+the one that makes a Llama-style block reproduce the published parameter count, which for the Llama, Mistral, Qwen
+and Gemma-2 rows equals the model's own ``intermediate_size``; other rows give ``intermediate_size`` from the
+model's config. Mixture-of-experts presets carry their expert structure (``MoEConfig``), and every preset its own
+context length and the dtypes its checkpoint ships in.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 
-from kvlab.config import MLAConfig, ModelConfig
+from kvlab.config import MLAConfig, ModelConfig, MoEConfig
+from kvlab.validation import require_int
 
 # Course-sized shapes: small enough to decode on a laptop CPU, large enough that the KV term is measurable.
 _COURSE_PRESETS = {
@@ -38,10 +41,6 @@ _COURSE_PRESETS = {
     ),
 }
 
-# Where a row's source gives no MLP width or a Llama block does not describe it (MoE, MLA, GPT-2), the width here
-# only makes the stand-in runnable or countable; the published parameter count is what the byte model uses.
-_PUBLIC_D_FF = {"gemma-3-27b": 21504, "gpt2-small": 3072}
-
 
 @dataclass(frozen=True)
 class GPU:
@@ -53,6 +52,7 @@ class GPU:
     bf16_tflops: float | None
     fp8_tflops: float | None
     source: str
+    tflops_note: str | None = None  # e.g. which accumulate precision the TFLOP/s figures assume
 
 
 @cache
@@ -67,7 +67,13 @@ def _model_from_reference(name: str, m: dict) -> ModelConfig:
     window = m.get("window")
     layer_windows = None
     if window:
-        layer_windows = _window_pattern(n_layers, window["size"], window["local_layers"], window["global_layers"])
+        layer_windows = _window_pattern(n_layers, window["size"], window["global_every"])
+        n_global = sum(w is None for w in layer_windows)
+        if n_global != window["global_layers"]:
+            raise ValueError(
+                f"window.global_layers: {window['global_layers']} for {name}; allowed: {n_global}, the count that "
+                f"global_every={window['global_every']} gives over {n_layers} layers"
+            )
     mla = None
     if m.get("mla"):
         x = m["mla"]
@@ -77,11 +83,16 @@ def _model_from_reference(name: str, m: dict) -> ModelConfig:
         head_dim, kv_heads = x["qk_nope_head_dim"] + x["qk_rope_head_dim"], heads
     else:
         head_dim, kv_heads = m["head_dim"], m["kv_heads"]
+    moe = None
+    if m.get("moe"):
+        x = m["moe"]
+        moe = MoEConfig(x["experts"], x["top_k"], x["expert_d_ff"], x["shared_experts"], x["dense_layers"])
     params = None if m["params_b"] is None else round(m["params_b"] * 1e9)
-    stand_in = bool(m.get("moe") or mla or name.startswith("gpt2"))
-    if name in _PUBLIC_D_FF:
-        d_ff = _PUBLIC_D_FF[name]
-    elif params is not None and not stand_in:
+    # GPT-2's block (LayerNorm, a 4x GELU MLP, learned positions) is not a Llama block: count it by its published size
+    stand_in = name.startswith("gpt2")
+    if "intermediate_size" in m:
+        d_ff = m["intermediate_size"]
+    elif params is not None:
         d_ff = _d_ff_for_params(params, n_layers, d, heads, kv_heads, head_dim, vocab, tied)
     else:
         d_ff = None
@@ -93,13 +104,14 @@ def _model_from_reference(name: str, m: dict) -> ModelConfig:
         head_dim=head_dim,
         d_ff=d_ff,
         vocab_size=vocab,
-        max_seq_len=m.get("max_context", 131072),
+        max_seq_len=m["max_context"],
         tie_embeddings=tied,
         dtype="bf16",
         layer_windows=layer_windows,
         mla=mla,
+        moe=moe,
+        weight_dtypes=tuple(sorted(m["weight_dtypes"].items())) if m.get("weight_dtypes") else None,
         n_params=params if stand_in else None,
-        n_active_params=None if m.get("active_params_b") is None else round(m["active_params_b"] * 1e9),
         name=name,
     )
 
@@ -114,12 +126,15 @@ def _d_ff_for_params(
     return 256 * round(per_layer / (3 * d) / 256)
 
 
-def _window_pattern(n_layers: int, size: int, local: int, global_: int) -> tuple[int | None, ...]:
-    """Spread the global layers evenly: every other layer for 1:1 (Gemma-2, gpt-oss), every sixth for Gemma-3."""
-    if local + global_ != n_layers:
-        raise ValueError(f"window: local_layers + global_layers = {local + global_}, but the model has {n_layers}")
-    global_at = {round((j + 1) * n_layers / global_) - 1 for j in range(global_)}
-    return tuple(None if i in global_at else size for i in range(n_layers))
+def _window_pattern(n_layers: int, size: int, global_every: int | None) -> tuple[int | None, ...]:
+    """Local layers with a ``size``-token window; layer ``i`` (0-based) is global when ``(i + 1) % global_every == 0``.
+
+    That is Hugging Face's rule for Gemma-2 (``global_every`` 2: layers 1, 3, ...), gpt-oss (2) and Gemma-3 (6:
+    layers 5, 11, ..., 59, so its last two layers, 60 and 61, are local). ``None``: every layer is local (Mistral).
+    """
+    if global_every is not None:
+        require_int("window.global_every", global_every)
+    return tuple(None if global_every is not None and (i + 1) % global_every == 0 else size for i in range(n_layers))
 
 
 @cache
@@ -140,6 +155,7 @@ def gpu_presets() -> dict[str, GPU]:
             bf16_tflops=g["bf16_tflops"],
             fp8_tflops=g["fp8_tflops"],
             source=_GPU_SOURCE,
+            tflops_note=g.get("tflops_note"),
         )
     return out
 

@@ -1,16 +1,21 @@
 """The bytes-per-step model of decoding, and the ceilings it is judged against.
 
-A decode step streams every weight once and, for each sequence in the batch, every cached K/V byte once:
+A decode step streams every weight it uses once and, for each sequence in the batch, every cached K/V byte once:
 
-    TPOT ~= (weight bytes + batch * KV bytes per sequence) / memory bandwidth
+    TPOT ~= (weight bytes read + batch * KV bytes per sequence) / memory bandwidth
 
 Two figures for the weights, on purpose:
-- ``weight_bytes``: all parameters times their size. This is what a checkpoint weighs and what memory must hold,
-  and what the course's worked examples (and most published estimates) use.
-- ``weight_bytes_read``: what one step really reads. An untied input embedding is a lookup table: a step reads
-  one row per sequence, not the whole matrix (for Llama-3.1-8B that is 1 GB of 16 GB not read). A
-  mixture-of-experts step reads only the experts it routes to (``n_active_params``, exact at batch 1; a larger
-  batch routes to more experts, up to all of them). A tied embedding is read in full anyway, as the output head.
+- ``weight_bytes``: all parameters times their size. This is what a checkpoint weighs and what memory must hold.
+- ``weight_bytes_read``: what one step reads. A mixture-of-experts step reads the dense weights plus only the
+  experts its batch routes to (``active_params``): at batch 1 the ``top_k`` routed experts per MoE layer, and more
+  distinct experts as the batch grows, up to all of them. An untied input embedding is a lookup table: a step reads
+  one row per sequence, not the whole matrix (``input_embedding="rows"``). The course's worked examples and most
+  published estimates charge the whole table (``"table"``), which is ``predict``'s default; for a dense model that
+  makes ``weight_bytes_read`` equal ``weight_bytes``. A tied embedding is read in full anyway, as the output head.
+
+Each part of a checkpoint is counted in the dtype it ships in (``ModelConfig.weight_dtypes``: DeepSeek-V3's FP8,
+gpt-oss's MXFP4 experts), and quantized weights count their group scales (``weight_element_bytes``). The sources of
+every model fact are in ``kvlab/data/reference_presets.md``.
 """
 
 from __future__ import annotations
@@ -21,54 +26,200 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvlab.config import ModelConfig
+from kvlab.config import WEIGHT_COMPONENTS, ModelConfig
 from kvlab.device import resolve_device, synchronize
-from kvlab.dtypes import bytes_per_element, canonical_dtype, torch_dtype
+from kvlab.dtypes import BYTES_PER_ELEMENT, KV_DTYPES, bytes_per_element, canonical_dtype, torch_dtype
+from kvlab.published import bandwidth_fraction_range, published_decode
 from kvlab.validation import require_int
+
+INPUT_EMBEDDING_CONVENTIONS = ("table", "rows")
+# A quantized int weight group stores one 16-bit scale and one 16-bit zero point beside its payload.
+WEIGHT_GROUP_OVERHEAD_BYTES = 4
 
 
 # -- parameter and byte counts ------------------------------------------------------------------------------------
 def param_count(cfg: ModelConfig) -> int:
-    """All parameters: the published count where the config carries one, else counted from the shape."""
+    """All parameters: the published count where the config carries one, else counted from the shape.
+
+    The shape count covers embeddings (twice when untied), attention (or MLA), each layer's MLP (dense, or MoE:
+    router, routed and shared experts), the norms. It leaves out biases and per-head norms, which some models have
+    (gpt-oss, Qwen); ``kvlab/data/reference_presets.md`` says how close each preset comes to its published count.
+    """
     if cfg.n_params is not None:
         return cfg.n_params
-    return _embedding_params(cfg) * (1 if cfg.tie_embeddings else 2) + cfg.n_layers * _layer_params(cfg) + cfg.d_model
+    per_layer = _attention_params(cfg) + 2 * cfg.d_model
+    return (
+        _embedding_params(cfg) * (1 if cfg.tie_embeddings else 2)
+        + cfg.n_layers * per_layer
+        + _mlp_params(cfg)
+        + (cfg.d_model)
+    )
 
 
 def _embedding_params(cfg: ModelConfig) -> int:
     return cfg.vocab_size * cfg.d_model
 
 
-def _layer_params(cfg: ModelConfig) -> int:
+def _attention_params(cfg: ModelConfig) -> int:
     d, h = cfg.d_model, cfg.n_heads
     if cfg.mla is None:
-        attention = 2 * d * h * cfg.head_dim + 2 * d * cfg.n_kv_heads * cfg.head_dim
-    else:
-        m = cfg.mla
-        qk_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
-        q = d * h * qk_dim if m.q_lora_rank is None else d * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * h * qk_dim
-        kv = (
-            d * (m.kv_lora_rank + m.qk_rope_head_dim)
-            + m.kv_lora_rank
-            + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim)
-        )
-        attention = q + kv + h * m.v_head_dim * d
-    return attention + 3 * d * cfg.d_ff + 2 * d
+        return 2 * d * h * cfg.head_dim + 2 * d * cfg.n_kv_heads * cfg.head_dim
+    m = cfg.mla
+    qk_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
+    q = d * h * qk_dim if m.q_lora_rank is None else d * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * h * qk_dim
+    kv = (
+        d * (m.kv_lora_rank + m.qk_rope_head_dim)
+        + m.kv_lora_rank
+        + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim)
+    )
+    return q + kv + h * m.v_head_dim * d
 
 
-def weight_bytes(cfg: ModelConfig, weight_dtype: str | None = None) -> int:
-    """Bytes of all parameters (see the module docstring for why this is not what a step reads)."""
-    return round(param_count(cfg) * bytes_per_element(weight_dtype or cfg.dtype, "weight_dtype"))
+def _expert_params(cfg: ModelConfig) -> int:
+    """One expert's SwiGLU weights (gate, up, down)."""
+    return 3 * cfg.d_model * cfg.moe.expert_d_ff
 
 
-def weight_bytes_read(cfg: ModelConfig, weight_dtype: str | None = None, batch: int = 1) -> int:
-    """Bytes of weights one decode step reads: untied input embeddings contribute one row per sequence."""
+def _moe_layers(cfg: ModelConfig) -> int:
+    return cfg.n_layers - cfg.moe.n_dense_layers
+
+
+def _mlp_params(cfg: ModelConfig) -> int:
+    """Every layer's MLP: dense SwiGLU, or for MoE layers the router and all experts."""
+    dense = 3 * cfg.d_model * cfg.d_ff
+    if cfg.moe is None:
+        return cfg.n_layers * dense
+    m = cfg.moe
+    moe_layer = cfg.d_model * m.n_experts + (m.n_experts + m.n_shared_experts) * _expert_params(cfg)
+    return m.n_dense_layers * dense + _moe_layers(cfg) * moe_layer
+
+
+def expected_experts(n_experts: int, top_k: int, batch: int) -> float:
+    """Distinct experts a batch of ``batch`` tokens routes to in one MoE layer, in expectation.
+
+    Each token picks ``top_k`` of ``n_experts``; under uniform routing one token misses a given expert with
+    probability ``1 - top_k / n_experts``, so the expected number hit is ``E * (1 - (1 - k/E)^batch)``: ``top_k`` at
+    batch 1, approaching ``n_experts`` as the batch grows. Real routers favour some experts, and skewed routing hits
+    fewer distinct experts, so uniform is the upper end for a given batch.
+    """
     require_int("batch", batch)
-    size = bytes_per_element(weight_dtype or cfg.dtype, "weight_dtype")
-    params = cfg.n_active_params if cfg.n_active_params is not None else param_count(cfg)
+    return n_experts * (1 - (1 - top_k / n_experts) ** batch)
+
+
+def _check_convention(input_embedding: str) -> None:
+    if input_embedding not in INPUT_EMBEDDING_CONVENTIONS:
+        raise ValueError(
+            f"input_embedding: {input_embedding!r}; allowed: {', '.join(INPUT_EMBEDDING_CONVENTIONS)} "
+            "(charge the whole untied input table, or one row per sequence)"
+        )
+
+
+def _params_read(cfg: ModelConfig, batch: int | None, input_embedding: str) -> dict[str, float]:
+    """Parameters per component (``WEIGHT_COMPONENTS``) that one step at ``batch`` reads; ``None``: all of them."""
+    _check_convention(input_embedding)
+    table = _embedding_params(cfg)
+    embeddings = table
     if not cfg.tie_embeddings:
-        params -= _embedding_params(cfg) - min(batch, cfg.vocab_size) * cfg.d_model
-    return round(params * size)
+        rows = table if batch is None or input_embedding == "table" else min(batch, cfg.vocab_size) * cfg.d_model
+        embeddings = table + rows
+    all_experts = experts = 0.0
+    if cfg.moe is not None:
+        m = cfg.moe
+        per_expert = _moe_layers(cfg) * _expert_params(cfg)
+        all_experts = (m.n_experts + m.n_shared_experts) * per_expert
+        routed = m.n_experts if batch is None else expected_experts(m.n_experts, m.top_k, batch)
+        experts = (routed + m.n_shared_experts) * per_expert
+    other = param_count(cfg) - table * (1 if cfg.tie_embeddings else 2) - all_experts
+    if other < 0:
+        raise ValueError(
+            f"n_params: {param_count(cfg):,} is fewer than the embeddings and experts of the shape "
+            f"({param_count(cfg) - other:,.0f}); allowed: a count that includes them"
+        )
+    return {"embeddings": embeddings, "experts": experts, "other": other}
+
+
+def active_params(cfg: ModelConfig, batch: int = 1, input_embedding: str = "table") -> int:
+    """Distinct parameters one decode step over ``batch`` sequences reads (expected value, rounded).
+
+    Dense model: every parameter (``param_count``). Mixture of experts: the dense parts, the shared experts, and per
+    MoE layer the ``expected_experts`` its batch routes to, so ``top_k`` experts at batch 1 (the model's "active
+    parameters") rising toward ``param_count`` as the batch grows.
+
+    ``input_embedding``: ``"table"`` (default) counts an untied input embedding whole, as Mixtral's published 12.9B
+    active does; ``"rows"`` counts the one row per sequence a step looks up, as DeepSeek-V3's (36.6B, "37B") and
+    gpt-oss's (3.6B, 5.1B) published active counts do.
+
+    For FLOPs, use ``batch=1``: each token multiplies by its own ``top_k`` experts only, so a step's matmul FLOPs are
+    about ``2 x active_params(cfg, 1) x batch`` (minus the input lookup, which does no multiply), while the bytes it
+    reads are ``active_params(cfg, batch)`` times their size.
+    """
+    require_int("batch", batch)
+    return round(sum(_params_read(cfg, batch, input_embedding).values()))
+
+
+def resolve_weight_dtypes(cfg: ModelConfig, weight_dtype: str | None = None) -> dict[str, str]:
+    """The dtype of each weight component: ``weight_dtype`` for all of them when given, else what the checkpoint
+    ships (``cfg.weight_dtypes``), else ``cfg.dtype``. Only components the model has are listed."""
+    if weight_dtype is not None:
+        every = canonical_dtype(weight_dtype, "weight_dtype")
+        shipped = dict.fromkeys(WEIGHT_COMPONENTS, every)
+    else:
+        shipped = {c: dict(cfg.weight_dtypes or ()).get(c, cfg.dtype) for c in WEIGHT_COMPONENTS}
+    present = _params_read(cfg, None, "table")
+    return {c: dtype for c, dtype in shipped.items() if present[c] > 0}
+
+
+def weight_element_bytes(weight_dtype: str, group_size: int | None = None) -> float:
+    """Bytes per weight, scales included.
+
+    ``group_size``: int8 and int4 weights quantized in groups of that many store one 16-bit scale and one 16-bit
+    zero point per group (``WEIGHT_GROUP_OVERHEAD_BYTES``), so int4 is 0.5 + 4/g bytes and int8 1 + 4/g. That
+    reproduces the published bytes per weight: torchao int4 g64 and gpt-fast int4 g32 (0.5625 and 0.625); llama.cpp
+    Q4_0 and MLC q4f16_1 spend the same 0.5625 (a 16-bit scale per 32 weights: pass int4 g64) and Q8_0 1.0625 (int8
+    g64). Without ``group_size`` the payload alone is counted, which is right for int8 with one scale per output
+    channel (gpt-fast's and torchao's int8: the scales add under 0.1%). ``mxfp4`` includes its own scales (4.25
+    bits); float dtypes take no group size.
+    """
+    dtype = canonical_dtype(weight_dtype, "weight_dtype")
+    size = BYTES_PER_ELEMENT[dtype]
+    if group_size is None:
+        return size
+    require_int("weight_group_size", group_size)
+    if dtype not in ("int8", "int4"):
+        raise ValueError(
+            f"weight_group_size: {group_size} with {dtype} weights; allowed: only int8 or int4 weights carry group "
+            "scales (mxfp4 counts its own; give --weight-dtype int4 or int8 with it)"
+        )
+    return size + WEIGHT_GROUP_OVERHEAD_BYTES / group_size
+
+
+def _weight_bytes(
+    cfg: ModelConfig, weight_dtype: str | None, batch: int | None, group_size: int | None, input_embedding: str
+) -> int:
+    dtypes = resolve_weight_dtypes(cfg, weight_dtype)
+    params = _params_read(cfg, batch, input_embedding)
+    return round(sum(params[c] * weight_element_bytes(dtype, group_size) for c, dtype in dtypes.items()))
+
+
+def weight_bytes(cfg: ModelConfig, weight_dtype: str | None = None, group_size: int | None = None) -> int:
+    """Bytes of all parameters, each component in its dtype (see ``resolve_weight_dtypes``), scales included."""
+    return _weight_bytes(cfg, weight_dtype, None, group_size, "table")
+
+
+def weight_bytes_read(
+    cfg: ModelConfig,
+    weight_dtype: str | None = None,
+    batch: int = 1,
+    group_size: int | None = None,
+    input_embedding: str = "rows",
+) -> int:
+    """Bytes of weights one decode step over ``batch`` sequences reads: ``active_params`` in their dtypes.
+
+    Defaults to what a step really reads (``input_embedding="rows"``: one row of an untied input table per
+    sequence); ``predict`` charges the whole table by default, as the course's worked example does.
+    """
+    require_int("batch", batch)
+    return _weight_bytes(cfg, weight_dtype, batch, group_size, input_embedding)
 
 
 def kv_elements_per_token_per_layer(cfg: ModelConfig) -> int:
@@ -84,11 +235,12 @@ def kv_element_bytes(kv_dtype: str, group_size: int | None = None) -> float:
     one set of statistics per ``group_size`` elements either way). A full-precision residual window is not counted.
     """
     if group_size is None:
-        return bytes_per_element(kv_dtype, "kv_dtype")
+        return bytes_per_element(kv_dtype, "kv_dtype", KV_DTYPES)
     require_int("group_size", group_size)
     from kvlab.cache.codecs import get_codec  # the codecs are the one place that knows the stored layout
 
-    return get_codec(canonical_dtype(kv_dtype, "kv_dtype")).stored_bytes((group_size,), 0, group_size) / group_size
+    key = canonical_dtype(kv_dtype, "kv_dtype", KV_DTYPES)
+    return get_codec(key).stored_bytes((group_size,), 0, group_size) / group_size
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str | None = None, group_size: int | None = None) -> int:
@@ -180,14 +332,39 @@ def predict_tpot_ms(n_bytes: float, bandwidth_gbps: float) -> float:
     return n_bytes / (bandwidth_gbps * 1e9) * 1e3
 
 
+def published_tpot_range(tpot_ms: float) -> tuple[tuple[float, float], str]:
+    """The TPOT real systems reach for a bandwidth-bound ``tpot_ms``, and where that range comes from.
+
+    Published decode measurements (``kvlab.published``) achieved between ``lo`` and ``hi`` of nominal bandwidth,
+    so a real step takes ``tpot_ms / hi`` to ``tpot_ms / lo``.
+    """
+    lo, hi = bandwidth_fraction_range()
+    basis = (
+        f"{len(published_decode())} published decode measurements reached {lo:.2f}-{hi:.2f} of nominal bandwidth "
+        "(kvlab/data/published_decode.csv)"
+    )
+    return (tpot_ms / hi, tpot_ms / lo), basis
+
+
 @dataclass(frozen=True)
 class Prediction:
-    """One decode step's bytes and predicted TPOT. Bytes are exact integers; GB means 1e9 bytes."""
+    """One decode step's bytes and predicted TPOT. Bytes are exact integers; GB means 1e9 bytes.
+
+    - ``weight_dtypes``: the dtype of each weight component (``kvlab.config.WEIGHT_COMPONENTS``) the model has;
+      ``weight_dtype`` is their one dtype, or ``"mixed"`` when they differ.
+    - ``weight_bytes``: all parameters; ``weight_bytes_read``: what the step reads (``active_params`` of them, under
+      the ``input_embedding`` convention). ``bytes_per_step`` and ``tpot_ms`` use the bytes read.
+    - ``experts_read``: expected distinct routed experts per MoE layer at this batch (``None`` for a dense model).
+    - ``tpot_ms_range``: what real systems reach, from published measurements (``tpot_ms_range_basis`` says which).
+    """
 
     model: str
     context: int
     batch: int
     weight_dtype: str
+    weight_dtypes: dict[str, str]
+    weight_group_size: int | None
+    input_embedding: str
     kv_dtype: str
     window: int | None
     sinks: int
@@ -195,12 +372,16 @@ class Prediction:
     group_size: int | None
     bandwidth_gbps: float
     weight_bytes: int
+    active_params: int
+    experts_read: float | None
     weight_bytes_read: int
     kv_bytes_per_token: int
     kv_bytes: int
     bytes_per_step: int
     tpot_ms: float
     tpot_ms_weights_only: float
+    tpot_ms_range: tuple[float, float]
+    tpot_ms_range_basis: str
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -217,37 +398,66 @@ def predict(
     sinks: int = 0,
     shared_prefix: int = 0,
     group_size: int | None = None,
+    weight_group_size: int | None = None,
+    input_embedding: str = "table",
 ) -> Prediction:
-    """The whole breakdown for one step at ``context`` tokens and ``batch`` sequences (see ``kv_tokens_read``)."""
-    weight_dtype = canonical_dtype(weight_dtype or cfg.dtype, "weight_dtype")
-    kv_dtype = canonical_dtype(kv_dtype or cfg.dtype, "kv_dtype")
-    w = weight_bytes(cfg, weight_dtype)
+    """The whole breakdown for one step at ``context`` tokens and ``batch`` sequences (see ``kv_tokens_read``).
+
+    Weights default to the dtypes the checkpoint ships in; ``weight_dtype`` overrides every component, and
+    ``weight_group_size`` counts int8/int4 group scales (``weight_element_bytes``). ``group_size`` does the same for
+    a quantized KV cache. ``context`` may not exceed the model's ``max_seq_len`` (its ``max_position_embeddings``):
+    a model is not served beyond it without RoPE scaling, which a config must then state.
+    """
+    require_int("context", context)
+    if context > cfg.max_seq_len:
+        raise ValueError(
+            f"context: {context:,} tokens; allowed: at most {cfg.name}'s max_seq_len={cfg.max_seq_len:,} "
+            "(its max_position_embeddings)"
+        )
+    dtypes = resolve_weight_dtypes(cfg, weight_dtype)
+    kv_dtype = canonical_dtype(kv_dtype or cfg.dtype, "kv_dtype", KV_DTYPES)
+    read = weight_bytes_read(cfg, weight_dtype, batch, weight_group_size, input_embedding)
     kv = kv_bytes_per_step(cfg, context, batch, kv_dtype, window, sinks, shared_prefix, group_size)
+    tpot_ms = predict_tpot_ms(read + kv, bandwidth_gbps)
+    tpot_range, basis = published_tpot_range(tpot_ms)
     return Prediction(
         model=cfg.name,
         context=context,
         batch=batch,
-        weight_dtype=weight_dtype,
+        weight_dtype=next(iter(dtypes.values())) if len(set(dtypes.values())) == 1 else "mixed",
+        weight_dtypes=dtypes,
+        weight_group_size=weight_group_size,
+        input_embedding=input_embedding,
         kv_dtype=kv_dtype,
         window=window,
         sinks=sinks,
         shared_prefix=shared_prefix,
         group_size=group_size,
         bandwidth_gbps=bandwidth_gbps,
-        weight_bytes=w,
-        weight_bytes_read=weight_bytes_read(cfg, weight_dtype, batch),
+        weight_bytes=weight_bytes(cfg, weight_dtype, weight_group_size),
+        active_params=active_params(cfg, batch, input_embedding),
+        experts_read=None if cfg.moe is None else expected_experts(cfg.moe.n_experts, cfg.moe.top_k, batch),
+        weight_bytes_read=read,
         kv_bytes_per_token=kv_bytes_per_token(cfg, kv_dtype, group_size),
         kv_bytes=kv,
-        bytes_per_step=w + kv,
-        tpot_ms=predict_tpot_ms(w + kv, bandwidth_gbps),
-        tpot_ms_weights_only=predict_tpot_ms(w, bandwidth_gbps),
+        bytes_per_step=read + kv,
+        tpot_ms=tpot_ms,
+        tpot_ms_weights_only=predict_tpot_ms(read, bandwidth_gbps),
+        tpot_ms_range=tpot_range,
+        tpot_ms_range_basis=basis,
     )
 
 
 # -- measured ceilings --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Bandwidth:
-    """Measured memory bandwidth in GB/s (1e9 bytes/s): median over repeats, and the best repeat."""
+    """Measured memory bandwidth in GB/s (1e9 bytes/s): median over repeats, and the best repeat.
+
+    ``read_gbps`` is the ceiling a decode step can reach: it reads weights and K/V and writes almost nothing.
+    ``copy_gbps`` counts each byte of a copy twice (read and write); it is the figure most tools report.
+    ``threads``: torch's CPU threads during the measurement (None when not recorded); a CPU's bandwidth depends
+    on it, so a prediction must use a figure measured with the threads the decode runs with.
+    """
 
     device: str
     size_mb: float
@@ -255,6 +465,26 @@ class Bandwidth:
     read_gbps: float
     copy_best_gbps: float
     read_best_gbps: float
+    threads: int | None = None
+
+
+BUFFER_FLOOR_MB = 256  # full-size probe when the cache size is unknown
+QUICK_BUFFER_FLOOR_MB = 64
+
+
+def bandwidth_buffer_mb(quick: bool = False, llc_bytes: int | None = None) -> float:
+    """A probe buffer (MB, 1e6 bytes) large enough that the bandwidth measured is memory's, not the cache's.
+
+    Full size: ``max(256, 4 x LLC)``. Quick: ``max(64, 2 x LLC)``, still twice the cache. ``llc_bytes`` defaults to
+    what ``kvlab.device.last_level_cache_bytes`` reads; where the machine hides it, the floors apply. A machine
+    with 260 MiB of L3 thus gets 1,091 MB (546 quick), where a 64 MB buffer would sit in its cache.
+    """
+    if llc_bytes is None:
+        from kvlab.device import last_level_cache_bytes  # not at the top: it touches the filesystem only here
+
+        llc_bytes = last_level_cache_bytes()
+    floor, factor = (QUICK_BUFFER_FLOOR_MB, 2) if quick else (BUFFER_FLOOR_MB, 4)
+    return float(max(floor, -(-factor * (llc_bytes or 0) // 10**6)))  # whole MB, rounded up
 
 
 def _time_repeats(fn, device: torch.device, repeats: int) -> list[float]:
@@ -277,12 +507,18 @@ def _time_repeats(fn, device: torch.device, repeats: int) -> list[float]:
     return times
 
 
-def measure_bandwidth(device: str | torch.device | None = None, size_mb: float = 256, repeats: int = 10) -> Bandwidth:
+def measure_bandwidth(
+    device: str | torch.device | None = None, size_mb: float | None = None, repeats: int = 10
+) -> Bandwidth:
     """Copy bandwidth (read + write both counted) and read bandwidth (a sum) over a ``size_mb`` fp32 buffer.
 
-    The buffer should be much larger than the last-level cache, or the figure measures the cache, not memory.
+    The buffer must be larger than the last-level cache, or the figure measures the cache, not memory: the
+    default, ``bandwidth_buffer_mb()``, sizes it from this machine's cache. On CPU both use torch's current
+    thread count, recorded in ``threads``.
     """
     device = resolve_device(device)
+    if size_mb is None:
+        size_mb = bandwidth_buffer_mb() if device.type == "cpu" else BUFFER_FLOOR_MB
     n = int(size_mb * 1e6 / 4)
     src = torch.randn(n, device=device)
     dst = torch.empty_like(src)
@@ -296,6 +532,7 @@ def measure_bandwidth(device: str | torch.device | None = None, size_mb: float =
         read_gbps=nbytes / statistics.median(read) / 1e9,
         copy_best_gbps=2 * nbytes / min(copy) / 1e9,
         read_best_gbps=nbytes / min(read) / 1e9,
+        threads=torch.get_num_threads() if device.type == "cpu" else None,
     )
 
 

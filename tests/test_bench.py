@@ -1,10 +1,15 @@
+import importlib.util
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from kvlab import Decoder
 from kvlab.bench import RequestTiming, fit_line, percentile, summarize, sweep_context
+from kvlab.device import last_level_cache_bytes
+from kvlab.roofline import Bandwidth, bandwidth_buffer_mb
 
 from .helpers import tiny_config
 
@@ -61,7 +66,7 @@ def test_sweep_writes_vllm_named_json_and_a_plot(tmp_path, fill):
     assert {"r2", "slope_us_per_token", "predicted_slope_us_per_token", "kv_bandwidth_fraction"} <= fit.keys()
     per_token = 2 * 2 * 2 * 16 * 4  # K+V, layers, KV heads, head dim, fp32
     assert data["kv_bytes_per_token"] == per_token
-    assert fit["predicted_slope_us_per_token"] == pytest.approx(per_token / (sweep.bandwidth.copy_gbps * 1e9) * 1e6)
+    assert fit["predicted_slope_us_per_token"] == pytest.approx(per_token / (sweep.bandwidth.read_gbps * 1e9) * 1e6)
     assert data["points"][2]["bytes_per_step"] - data["points"][0]["bytes_per_step"] == (128 - 16) * per_token
     sweep.plot(tmp_path / "out.png")
     assert (tmp_path / "out.png").stat().st_size > 10_000
@@ -75,3 +80,97 @@ def test_sweep_rejects_bad_arguments():
         sweep_context(model, [8], n_tokens=1)
     with pytest.raises(ValueError, match="contexts"):
         sweep_context(model, [0, 8])
+
+
+def test_sweep_visits_contexts_round_robin_and_keeps_all_but_the_warm_up_round():
+    model = Decoder(tiny_config(max_seq_len=512), device="cpu")
+    visits = []
+
+    def make_cache(m, batch, capacity):
+        visits.append(capacity)
+        return m.new_cache(batch, capacity)
+
+    sweep = sweep_context(model, [64, 16], n_tokens=3, n_requests=2, make_cache=make_cache, progress=False)
+    # one warm-up cache first, then three rounds (one warm-up, two kept) over both contexts in order
+    assert visits == [3] + [16 + 3, 64 + 3] * 3
+    assert [len(p.requests) for p in sweep.points] == [2, 2]
+
+
+def test_sweep_refuses_a_bandwidth_measured_with_other_threads():
+    model = Decoder(tiny_config(), device="cpu")
+    other = torch.get_num_threads() + 1
+    bw = Bandwidth("cpu", 256.0, 10.0, 12.0, 11.0, 13.0, threads=other)
+    with pytest.raises(ValueError, match=f"bandwidth: measured with {other} threads"):
+        sweep_context(model, [8], n_tokens=2, n_requests=1, bandwidth=bw, progress=False)
+    # the prediction divides by the read bandwidth, not the copy bandwidth
+    bw = Bandwidth("cpu", 256.0, 10.0, 12.0, 11.0, 13.0, threads=torch.get_num_threads())
+    sweep = sweep_context(model, [8, 16], n_tokens=2, n_requests=1, bandwidth=bw, progress=False)
+    point = sweep.points[0]
+    assert point.predicted_tpot_ms == pytest.approx(point.bytes_per_step / 12e9 * 1e3, rel=1e-12)
+
+
+def _fake_cache(root, cpu, index, level, kind, size, shared=None):
+    d = root / f"cpu{cpu}" / "cache" / f"index{index}"
+    d.mkdir(parents=True)
+    (d / "level").write_text(f"{level}\n")
+    (d / "type").write_text(f"{kind}\n")
+    (d / "size").write_text(f"{size}\n")
+    if shared is not None:
+        (d / "shared_cpu_list").write_text(f"{shared}\n")
+
+
+def test_last_level_cache_counts_each_shared_instance_once(tmp_path):
+    # two sockets of two CPUs: private 1 MiB L2s, and one 32 MiB L3 per socket shared by its two CPUs
+    for cpu in range(4):
+        _fake_cache(tmp_path, cpu, 0, 1, "Data", "32K", str(cpu))
+        _fake_cache(tmp_path, cpu, 1, 1, "Instruction", "32K", str(cpu))
+        _fake_cache(tmp_path, cpu, 2, 2, "Unified", "1024K", str(cpu))
+        _fake_cache(tmp_path, cpu, 3, 3, "Unified", "32768K", "0-1" if cpu < 2 else "2-3")
+    assert last_level_cache_bytes(tmp_path) == 2 * 32 * 2**20
+
+
+def test_last_level_cache_survives_missing_or_garbled_sysfs(tmp_path, monkeypatch):
+    monkeypatch.setattr("kvlab.device.platform.system", lambda: "Linux")  # no sysctl fallback
+    assert last_level_cache_bytes(tmp_path / "absent") is None
+    _fake_cache(tmp_path, 0, 0, 2, "Unified", "4M")  # no shared_cpu_list: counted once per level
+    _fake_cache(tmp_path, 1, 0, 2, "Unified", "4M")
+    _fake_cache(tmp_path, 0, 1, "three", "Unified", "260M")  # unreadable level: skipped
+    _fake_cache(tmp_path, 1, 1, 3, "Unified", "lots")  # unreadable size: skipped
+    assert last_level_cache_bytes(tmp_path) == 4 * 2**20
+
+
+def test_bandwidth_buffer_exceeds_the_last_level_cache_with_a_floor():
+    mib = 2**20
+    assert bandwidth_buffer_mb(llc_bytes=260 * mib) == 1091  # ceil(4 * 272,629,760 / 1e6)
+    assert bandwidth_buffer_mb(quick=True, llc_bytes=260 * mib) == 546  # ceil(2 * 272,629,760 / 1e6)
+    assert bandwidth_buffer_mb(llc_bytes=32 * mib) == 256  # 134 MB is under the floor
+    assert bandwidth_buffer_mb(quick=True, llc_bytes=32 * mib) == 68  # ceil(2 * 33,554,432 / 1e6)
+    assert bandwidth_buffer_mb(quick=True, llc_bytes=16 * mib) == 64
+    assert bandwidth_buffer_mb(llc_bytes=0) == 256
+
+
+def test_decode_breakdown_counts_every_weight_and_kv_byte_once():
+    path = Path(__file__).resolve().parents[1] / "bench" / "decode_breakdown.py"
+    spec = importlib.util.spec_from_file_location("decode_breakdown", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = tiny_config(n_kv_heads=4)  # d_model 64, d_ff 96, vocab 101, 2 layers, head dim 16
+    model = Decoder(cfg, device="cpu")
+    result = module.breakdown(model, context=20, repeats=2, clock="thread", buffer_mb=1, warmup=1)
+    # per layer: QKV 64x(64+2*64), O 64x64, gate+up 64x(2*96), down 96x64; then the tied head 101x64; fp32
+    layer = (64 * 192 + 64 * 64 + 64 * 192 + 96 * 64) * 4
+    assert result["weight_bytes"] == [layer, layer, 101 * 64 * 4]
+    # 19 tokens filled; the warm-up step attends over 20, the two timed repeats over 21 and 22: bytes at 21
+    assert result["kv_context"] == 21
+    assert result["kv_bytes"] == [2 * 4 * 16 * 4 * 21] * 2  # K and V, 4 heads of 16, fp32
+    assert result["context_end"] == 22
+    assert len(result["ms"]["matvec"]) == 3
+    assert all(len(result["ms"][part]) == 2 for part in ("attention", "scores", "values", "k_stream", "v_stream"))
+    assert result["read_gbps"] > 0 and result["copy_gbps"] > 0
+    assert "rest (norms, RoPE, ...)" in "\n".join(module.report(result))
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(ValueError, match="clock: 'thread' counts one thread"):
+            module.breakdown(model, context=20, repeats=1, clock="thread")
+    finally:
+        torch.set_num_threads(1)

@@ -4,7 +4,9 @@ import sys
 
 import pytest
 
+from kvlab import get_model
 from kvlab.cli import main, parse_tokens
+from kvlab.roofline import param_count
 
 
 def run(capsys, *argv):
@@ -64,6 +66,40 @@ def test_predict_window_sinks_and_shared_prefix(capsys):
     assert int4["kv_bytes_per_token"] == per_token * (0.5 + 4 / 32) / 2  # bf16 is 2 bytes an element
 
 
+def test_predict_charges_a_moe_step_the_experts_it_reads(capsys):
+    base = ["predict", "--model", "deepseek-v3", "--gpu", "h200-sxm", "--context", "8k", "--json"]
+    one = json.loads(run(capsys, *base, "--batch", "1")[1])
+    many = json.loads(run(capsys, *base, "--batch", "256")[1])
+    assert one["active_params"] / 1e9 == pytest.approx(37, abs=1)  # DeepSeek's "37B activated"
+    assert one["weight_dtypes"] == {"embeddings": "bf16", "experts": "fp8", "other": "fp8"}
+    assert one["weight_bytes_read"] < 0.06 * one["weight_bytes"] < many["weight_bytes_read"]
+    assert many["weight_bytes_read"] > 0.99 * many["weight_bytes"]
+    for data in (one, many):
+        assert data["bytes_per_step"] == data["weight_bytes_read"] + data["kv_bytes"]
+        assert data["tpot_ms"] == pytest.approx(data["bytes_per_step"] / 4.8e12 * 1e3)
+        lo, hi = data["tpot_ms_range"]
+        assert data["tpot_ms"] < lo < hi
+    bf16 = json.loads(run(capsys, *base, "--weight-dtype", "bf16")[1])
+    assert (bf16["weight_dtype"], bf16["weight_bytes"]) == ("bf16", 2 * param_count(get_model("deepseek-v3")))
+    assert set(bf16["weight_dtypes"].values()) == {"bf16"}
+
+
+def test_predict_table_names_the_read_bytes_and_the_published_range(capsys):
+    code, out, _ = run(capsys, "predict", "--model", "gpt-oss-120b", "--gpu", "h100-sxm", "--context", "8k")
+    assert code == 0
+    assert "in bf16 (experts mxfp4)" in out and "4.0 of 128 routed experts" in out
+    assert "TPOT, real systems" in out and "published decode measurements" in out
+
+
+def test_predict_weight_group_size_and_input_embedding(capsys):
+    base = ["predict", "--model", "llama-3.1-8b", "--bandwidth", "1000", "--context", "1k", "--json"]
+    bf16 = json.loads(run(capsys, *base)[1])
+    int4 = json.loads(run(capsys, *base, "--weight-dtype", "int4", "--weight-group-size", "64")[1])
+    assert int4["weight_bytes"] == round(bf16["weight_bytes"] / 2 * 0.5625)
+    rows = json.loads(run(capsys, *base, "--input-embedding", "rows")[1])
+    assert bf16["weight_bytes_read"] - rows["weight_bytes_read"] == (128256 - 1) * 4096 * 2
+
+
 def test_predict_reads_a_hugging_face_config(tmp_path, capsys):
     from kvlab import get_model
 
@@ -106,6 +142,18 @@ def test_predict_reads_a_hugging_face_config(tmp_path, capsys):
             ["predict", "--model", "llama-3.1-8b", "--bandwidth", "9", "--context", "9", "--group-size", "x"],
             ["--group-size"],
         ),
+        (
+            ["predict", "--model", "gemma-2-9b", "--bandwidth", "9", "--context", "9000"],
+            ["--context", "at most gemma-2-9b's max_seq_len=8,192"],
+        ),
+        (
+            ["predict", "--model", "llama-3.1-8b", "--bandwidth", "9", "--context", "9", "--weight-group-size", "32"],
+            ["--weight-group-size", "int8 or int4"],
+        ),
+        (
+            ["predict", "--model", "llama-3.1-8b", "--bandwidth", "9", "--context", "9", "--kv-dtype", "mxfp4"],
+            ["--kv-dtype", "int4"],
+        ),
         (["bench", "--preset", "mixtral-8x7b"], ["--preset", "cannot run yet", "mixture-of-experts"]),
         (["bench", "--fill", "slow"], ["--fill", "prefill"]),
         (["frobnicate"], ["predict", "bench"]),
@@ -126,8 +174,10 @@ def test_token_counts_accept_k_suffix():
 def test_models_and_gpus_list_the_presets(capsys):
     _, out, _ = run(capsys, "models")
     assert "llama-3.1-70b" in out and "deepseek-v3" in out and "no: mixture-of-experts" in out
+    assert "163,840" in out  # deepseek-v3's context
     _, out, _ = run(capsys, "gpus")
     assert "h200-sxm" in out and "4,800 GB/s" in out
+    assert "165.2 TF/s*" in out and "rtx-4090: BF16 165.2 and FP8 330.3 are with FP32 accumulate" in out
 
 
 def test_bench_writes_json_and_plot(tmp_path):

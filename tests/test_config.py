@@ -3,6 +3,7 @@ import json
 import pytest
 
 from kvlab import ModelConfig, get_model, model_presets
+from kvlab.config import MoEConfig
 from kvlab.presets import get_gpu
 
 from .helpers import tiny_config
@@ -23,6 +24,9 @@ from .helpers import tiny_config
         ({"head_dim": 15}, "head_dim", "even"),
         ({"layer_windows": (4,)}, "layer_windows", "n_layers=2"),
         ({"tie_embeddings": "yes"}, "tie_embeddings", "True or False"),
+        ({"moe": MoEConfig(4, 2, 8, n_dense_layers=2)}, "moe.n_dense_layers", "fewer than n_layers=2"),
+        ({"weight_dtypes": (("head", "bf16"),)}, "weight_dtypes", "embeddings, experts, other"),
+        ({"weight_dtypes": (("experts", "fp5"),)}, "weight_dtypes['experts']", "mxfp4"),
     ],
 )
 def test_invalid_values_name_the_field_and_what_is_allowed(overrides, field, allowed):
@@ -65,11 +69,24 @@ def test_every_reference_model_is_a_preset_and_unrunnable_ones_say_why():
                 assert (cfg.n_kv_heads, cfg.head_dim) == (m["kv_heads"], m["head_dim"])
 
 
-def test_windowed_presets_count_local_and_global_layers():
+def test_windowed_presets_put_global_layers_where_the_models_do():
+    """Gemma-3: every sixth layer is global (5, 11, ..., 59) and the last two (60, 61) are local; Gemma-2 and
+    gpt-oss alternate, starting local; Mistral-7B-v0.1 is local everywhere."""
     gemma3 = get_model("gemma-3-27b")
-    assert sum(w is None for w in gemma3.layer_windows) == 10
+    assert [i for i, w in enumerate(gemma3.layer_windows) if w is None] == [5, 11, 17, 23, 29, 35, 41, 47, 53, 59]
+    assert gemma3.layer_windows[60:] == (1024, 1024)
     assert sum(w == 1024 for w in gemma3.layer_windows) == 52
-    assert sum(w is None for w in get_model("gpt-oss-20b").layer_windows) == 12
+    assert get_model("gemma-2-9b").layer_windows == (4096, None) * 21
+    assert get_model("gpt-oss-20b").layer_windows == (128, None) * 12
+    assert get_model("mistral-7b-v0.1").layer_windows == (4096,) * 32
+
+
+def test_moe_config_validates_its_fields():
+    with pytest.raises(ValueError, match="moe.top_k: 9; allowed: at most n_experts=8"):
+        MoEConfig(8, 9, 64)
+    with pytest.raises(ValueError, match="moe.n_shared_experts"):
+        MoEConfig(8, 2, 64, n_shared_experts=-1)
+    assert not tiny_config(moe=MoEConfig(8, 2, 64)).runnable
 
 
 def test_unknown_preset_lists_the_names():
@@ -111,6 +128,44 @@ def test_hf_config_reads_the_keys_real_checkpoints_use():
     assert ModelConfig.from_hf_config(v5).rope_theta == 5e5
     with pytest.raises(ValueError, match="missing num_hidden_layers"):
         ModelConfig.from_hf_config({"hidden_size": 8})
+
+
+def test_hf_config_reads_mixture_of_experts_keys_and_shipped_dtypes():
+    deepseek_like = {
+        "num_hidden_layers": 61,
+        "hidden_size": 7168,
+        "num_attention_heads": 128,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "first_k_dense_replace": 3,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+        "q_lora_rank": 1536,
+        "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
+    }
+    cfg = ModelConfig.from_hf_config(deepseek_like)
+    assert cfg.moe == MoEConfig(256, 8, 2048, n_shared_experts=1, n_dense_layers=3)
+    assert (cfg.d_ff, dict(cfg.weight_dtypes)) == (18432, {"experts": "fp8", "other": "fp8"})
+    gpt_oss_like = {
+        "num_hidden_layers": 24,
+        "hidden_size": 2880,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "intermediate_size": 2880,
+        "num_local_experts": 32,
+        "experts_per_token": 4,
+        "quantization_config": {"quant_method": "mxfp4"},
+    }
+    cfg = ModelConfig.from_hf_config(gpt_oss_like)
+    assert (cfg.moe, cfg.weight_dtypes) == (MoEConfig(32, 4, 2880), (("experts", "mxfp4"),))
+    assert ModelConfig.from_hf_config({k: v for k, v in gpt_oss_like.items() if "experts" not in k}).moe is None
 
 
 def _reference_path():

@@ -1,10 +1,16 @@
+import csv
+import itertools
 import math
+import re
+from importlib import resources
 
 import pytest
 
 from kvlab import ModelConfig, get_gpu, get_model
 from kvlab.roofline import (
+    active_params,
     bytes_per_step,
+    expected_experts,
     kv_bytes_per_step,
     kv_bytes_per_token,
     measure_bandwidth,
@@ -14,11 +20,12 @@ from kvlab.roofline import (
     predict_tpot_ms,
     weight_bytes,
     weight_bytes_read,
+    weight_element_bytes,
 )
 
 
-def test_worked_example_llama_3_1_70b_on_h100_matches_numbers_md():
-    """numbers.md: 327,680 B/token, 9.83 GB at 30k, 141.1 GB of weights, 45.1 ms, weights alone 42.1 ms."""
+def test_worked_example_llama_3_1_70b_on_h100_matches_the_reference():
+    """reference_presets.md: 327,680 B/token, 9.83 GB at 30k, 141.1 GB of weights, 45.1 ms, weights alone 42.1 ms."""
     p = predict(get_model("llama-3.1-70b"), context=30000, bandwidth_gbps=get_gpu("h100-sxm").bandwidth_gbps)
     assert p.kv_bytes_per_token == 2 * 80 * 8 * 128 * 2 == 327_680
     assert p.kv_bytes == 327_680 * 30_000
@@ -82,9 +89,9 @@ def test_weight_bytes_read_counts_one_embedding_row_per_sequence():
     assert weight_bytes_read(cfg, batch=4) - weight_bytes_read(cfg) == 3 * 4096 * 2
     tied = get_model("qwen3-4b")
     assert weight_bytes_read(tied) == weight_bytes(tied)
-    moe = get_model("mixtral-8x7b")
-    assert weight_bytes(moe) == 46.70e9 * 2
-    assert weight_bytes_read(moe) == round(12.88e9 * 2 - (32000 - 1) * 4096 * 2)
+    moe = get_model("mixtral-8x7b")  # 32 MoE layers, a batch-1 step skips 6 of 8 experts in each
+    expert = 3 * 4096 * 14336
+    assert weight_bytes(moe) - weight_bytes_read(moe) == 2 * (32 * 6 * expert + (32000 - 1) * 4096)
 
 
 def test_bytes_per_step_and_tpot_compose():
@@ -164,3 +171,189 @@ def test_byte_model_agrees_with_a_quantized_cache_with_no_residual():
         cache = QuantizedKVCache(2, 1, 128, 2, 16, codec=codec, group_size=16, residual=0)
         cache.fast_fill(64)
         assert cache.bytes_stored() == 64 * kv_bytes_per_token(model.cfg, codec, group_size=16), codec
+
+
+# -- mixture of experts ----------------------------------------------------------------------------------------------
+def test_expected_experts_matches_an_exact_enumeration():
+    """E=5 experts, top-2, 2 tokens: average the distinct experts over every pair of routing choices."""
+    choices = list(itertools.combinations(range(5), 2))
+    exact = sum(len(set(a) | set(b)) for a, b in itertools.product(choices, choices)) / len(choices) ** 2
+    assert expected_experts(5, 2, 2) == pytest.approx(exact, rel=1e-12)
+    assert expected_experts(256, 8, 1) == pytest.approx(8, rel=1e-12)
+    assert expected_experts(8, 2, 4096) == pytest.approx(8, rel=1e-12)
+    assert expected_experts(8, 8, 1) == 8
+    with pytest.raises(ValueError, match="batch"):
+        expected_experts(8, 2, 0)
+
+
+# Published counts (the Mixtral paper, DeepSeek-V3 README, the gpt-oss model card), with the half-unit of
+# their last printed digit as the tolerance, and whether the published active count includes the input embedding.
+PUBLISHED_MOE = [
+    ("mixtral-8x7b", 46.70, 0.005, 12.88, 0.005, "table"),
+    ("deepseek-v3", 671, 0.5, 37, 0.5, "rows"),
+    ("gpt-oss-20b", 20.9, 0.05, 3.6, 0.05, "rows"),
+    ("gpt-oss-120b", 116.8, 0.05, 5.1, 0.05, "rows"),
+]
+
+
+@pytest.mark.parametrize(("name", "total", "total_tol", "active", "active_tol", "convention"), PUBLISHED_MOE)
+def test_moe_structure_reproduces_published_total_and_active_counts(
+    name, total, total_tol, active, active_tol, convention
+):
+    cfg = get_model(name)
+    assert param_count(cfg) / 1e9 == pytest.approx(total, abs=total_tol)
+    assert active_params(cfg, 1, convention) / 1e9 == pytest.approx(active, abs=active_tol)
+    assert active_params(cfg, 1 << 20) == param_count(cfg)  # every expert is touched by a huge batch
+
+
+def test_deepseek_v3_batch_1_reads_its_active_parameters_in_fp8_and_batch_256_nearly_all():
+    cfg = get_model("deepseek-v3")
+    d, vocab = 7168, 129280
+    attention = (
+        d * 1536
+        + 1536
+        + 1536 * 128 * 192  # query: down-projection, its norm, up-projection
+        + d * (512 + 64)
+        + 512
+        + 512 * 128 * (128 + 128)  # the latent, its norm, K/V up-projection
+        + 128 * 128 * d  # output
+    )
+    expert, dense_mlp, router = 3 * d * 2048, 3 * d * 18432, 256 * d
+    embeddings = 2 * vocab * d
+    active = embeddings + 61 * (attention + 2 * d) + 3 * dense_mlp + 58 * (router + (8 + 1) * expert) + d
+    assert active_params(cfg) == active
+    p = predict(cfg, context=4096, bandwidth_gbps=4800)
+    assert p.weight_dtypes == {"embeddings": "bf16", "experts": "fp8", "other": "fp8"}
+    assert p.weight_bytes_read == embeddings * 2 + (active - embeddings) * 1  # BF16 embeddings and head, FP8 rest
+    assert p.bytes_per_step == p.weight_bytes_read + p.kv_bytes
+    assert p.tpot_ms == pytest.approx(p.bytes_per_step / 4800e9 * 1e3, rel=1e-12)
+    assert p.experts_read == pytest.approx(8, rel=1e-12)
+    big = predict(cfg, context=4096, bandwidth_gbps=4800, batch=256)
+    assert 0.99 * p.weight_bytes < big.weight_bytes_read < p.weight_bytes
+    assert big.experts_read == pytest.approx(256 * (1 - (1 - 8 / 256) ** 256), rel=1e-12)
+
+
+def test_gpt_oss_ships_mxfp4_experts_and_bf16_elsewhere_and_an_override_wins():
+    cfg = get_model("gpt-oss-20b")
+    experts = 24 * 32 * 3 * 2880 * 2880
+    assert weight_element_bytes("mxfp4") == (4 + 8 / 32) / 8
+    assert weight_bytes(cfg) == round(experts * 4.25 / 8 + (param_count(cfg) - experts) * 2)
+    assert weight_bytes(cfg, "bf16") == param_count(cfg) * 2
+    p = predict(cfg, 1000, 1000, weight_dtype="int4", weight_group_size=32)
+    assert (p.weight_dtype, p.weight_dtypes["experts"], p.weight_group_size) == ("int4", "int4", 32)
+    assert predict(cfg, 1000, 1000).weight_dtype == "mixed"
+    with pytest.raises(ValueError, match="weight_group_size: 32 with bf16 weights"):
+        predict(cfg, 1000, 1000, weight_group_size=32)
+    with pytest.raises(ValueError, match="kv_dtype: unknown dtype 'mxfp4'"):
+        kv_bytes_per_token(cfg, "mxfp4")
+    with pytest.raises(ValueError, match="weight_dtype: unknown dtype 'fp3'; allowed: .*mxfp4"):
+        weight_bytes(cfg, "fp3")
+
+
+# -- weight group scales ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("dtype", "group", "published"),
+    [
+        ("int4", 64, 0.5625),  # torchao int4 g64; llama.cpp Q4_0 and MLC q4f16_1 spend the same bytes
+        ("int4", 32, 0.625),  # gpt-fast int4 g32: a scale and a zero point per 32
+        ("int8", 64, 1.0625),  # llama.cpp Q8_0's bytes per weight
+        ("int8", None, 1.0),  # one scale per output channel: not counted
+    ],
+)
+def test_weight_group_scales_give_the_published_bytes_per_weight(dtype, group, published):
+    assert weight_element_bytes(dtype, group) == published
+
+
+def test_weight_group_size_is_refused_where_no_group_scales_exist():
+    for dtype in ("bf16", "fp8", "mxfp4"):
+        with pytest.raises(ValueError, match="weight_group_size: .*allowed: only int8 or int4"):
+            weight_element_bytes(dtype, 32)
+    with pytest.raises(ValueError, match="weight_group_size"):
+        weight_element_bytes("int4", 0)
+
+
+# -- context limits and the input-embedding convention ---------------------------------------------------------------
+def test_predict_refuses_a_context_beyond_the_model_and_checks_the_convention():
+    cfg = get_model("llama-2-7b")
+    assert predict(cfg, 4096, 1000).context == 4096
+    with pytest.raises(ValueError, match="context: 4,097 tokens; allowed: at most llama-2-7b's max_seq_len=4,096"):
+        predict(cfg, 4097, 1000)
+    with pytest.raises(ValueError, match="input_embedding: 'all'; allowed: table, rows"):
+        predict(cfg, 100, 1000, input_embedding="all")
+    rows = predict(cfg, 100, 1000, batch=2, input_embedding="rows")
+    assert rows.weight_bytes - rows.weight_bytes_read == (32000 - 2) * 4096 * 2
+
+
+# -- published measurements ------------------------------------------------------------------------------------------
+def _csv_rows() -> list[dict[str, str]]:
+    text = resources.files("kvlab.data").joinpath("published_decode.csv").read_text()
+    return list(csv.DictReader(text.splitlines()))
+
+
+def test_published_file_is_self_consistent():
+    """Each row's printed prediction, fraction and measured TPOT follow from its own columns and caveats."""
+    from kvlab.published import published_decode
+
+    rows = published_decode()
+    assert len(rows) == len(_csv_rows()) == 25
+    for row, raw in zip(rows, _csv_rows(), strict=True):
+        where = f"{raw['model']} {raw['weight_dtype']} ctx {raw['context_tokens']}"
+        assert raw["source"] == row.source and row.source.startswith("github ")
+        # printed to 0.001 ms, and the fraction to 0.001 from unrounded times
+        assert row.predicted_tpot_ms == pytest.approx(float(raw["predicted_tpot_ms"]), abs=5e-4 + 1e-9), where
+        assert row.fraction == pytest.approx(float(raw["fraction"]), abs=1e-3), where
+        # the caveats quote the published rate: tokens/s per sequence, or aggregate over the batch
+        rate = float(re.search(r"published: (?:[^=;]*= )?([\d.]+) t(?:ok)?/s", raw["caveats"]).group(1))
+        per_token_ms = 1e3 * (row.batch if "aggregate" in raw["caveats"] else 1) / rate
+        assert row.measured_tpot_ms == pytest.approx(per_token_ms, abs=5e-4 + 1e-9), where
+
+
+def test_tpot_range_spans_every_published_fraction():
+    fractions = [float(r["fraction"]) for r in _csv_rows()]
+    p = predict(get_model("llama-3.1-8b"), 8192, 1000)
+    lo, hi = p.tpot_ms_range
+    assert lo == pytest.approx(p.tpot_ms / max(fractions), rel=2e-3)  # the file prints fractions to 0.001
+    assert hi == pytest.approx(p.tpot_ms / min(fractions), rel=5e-3)
+    assert "25 published decode measurements" in p.tpot_ms_range_basis
+
+
+# The CSV's labels for the formats, as kvlab dtype and weight group size; kv_dtype_bytes 1 is an FP8 cache.
+CSV_WEIGHT_FORMATS = {
+    "bf16": ("bf16", None),
+    "int8 (gpt-fast wo, per-channel)": ("int8", None),
+    "int4 g32 (gpt-fast wo)": ("int4", 32),
+    "int8wo (torchao)": ("int8", None),
+    "int4wo g64 (torchao)": ("int4", 64),
+}
+CSV_PRESETS = {"Llama-2-7B": "llama-2-7b", "Llama-2-70B": "llama-2-70b", "Llama-3.1-8B": "llama-3.1-8b"}
+
+
+def test_predict_reproduces_the_published_predictions_for_preset_models():
+    """Counting weights the file's way (one input-embedding row, scales included), kvlab's predictor gives the
+    file's predicted TPOT. The weight bytes differ by exactly what the presets' shapes say: kvlab reads one
+    embedding row more (the file leaves the lookup out), and Qwen3's per-head q/k norms (2 x 128 weights a layer)
+    are not in a Llama block. The TPOT tolerance is the file's 0.001-ms print plus those 18 KB on an L4."""
+    names = CSV_PRESETS | {"Qwen3-4B": "qwen3-4b"}
+    checked = 0
+    for raw in _csv_rows():
+        if raw["model"] not in names:
+            continue
+        cfg = get_model(names[raw["model"]])
+        dtype, group = CSV_WEIGHT_FORMATS[raw["weight_dtype"]]
+        kv = {"2": "bf16", "1": "fp8"}[raw["kv_dtype_bytes"]]
+        p = predict(
+            cfg,
+            int(raw["context_tokens"]),
+            float(raw["bandwidth_gbps"]),
+            int(raw["batch"]),
+            dtype,
+            kv,
+            weight_group_size=group,
+            input_embedding="rows",
+        )
+        size = weight_element_bytes(dtype, group)
+        extra = cfg.d_model * size if cfg.name != "qwen3-4b" else -2 * 36 * 128 * size
+        assert p.weight_bytes_read - int(raw["weight_bytes"]) == extra, raw["weight_dtype"]
+        assert p.tpot_ms == pytest.approx(float(raw["predicted_tpot_ms"]), abs=6e-4), raw["weight_dtype"]
+        checked += 1
+    assert checked == 17
