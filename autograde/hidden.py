@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvlab import checks
-from kvlab.config import MLAConfig, ModelConfig
+from kvlab.config import MLAConfig, ModelConfig, MoEConfig
+from kvlab.published import PublishedDecode
 
 _GQA = ModelConfig(n_layers=6, d_model=384, n_heads=6, n_kv_heads=3, d_ff=1024, vocab_size=5003, name="hidden-gqa")
 # head_dim differs from d_model / n_heads here, as in Gemma and Qwen3: a formula that derives it fails.
@@ -30,6 +31,22 @@ _MQA_TIED = ModelConfig(
 _WIDE_HEADS = ModelConfig(
     n_layers=3, d_model=512, n_heads=4, n_kv_heads=2, head_dim=256, d_ff=2048, vocab_size=1000, name="hidden-wide"
 )
+# Fractional byte counts (.75 and .25 of a byte over at 0.5625 and 1.0625 bytes per element, int4 and int8 with a
+# 16-bit scale per 64): truncating fails the first, rounding up the second, for the KV and the weight counts alike.
+_ODD_A = ModelConfig(
+    n_layers=3, d_model=198, n_heads=4, n_kv_heads=1, head_dim=50, d_ff=520, vocab_size=3001, name="hidden-odd-a"
+)
+_ODD_B = ModelConfig(
+    n_layers=3,
+    d_model=202,
+    n_heads=4,
+    n_kv_heads=1,
+    head_dim=54,
+    d_ff=600,
+    vocab_size=2999,
+    tie_embeddings=True,
+    name="hidden-odd-b",
+)
 _MLA = ModelConfig(
     n_layers=13,
     d_model=1024,
@@ -40,6 +57,38 @@ _MLA = ModelConfig(
     mla=MLAConfig(kv_lora_rank=256, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64),
     name="hidden-mla",
 )
+# Two routed experts of eight per token, one shared, the first layer dense: a decode_flops that counts every expert
+# (param_count) instead of the ones a token uses (active_params) fails.
+_MOE = ModelConfig(
+    n_layers=4,
+    d_model=256,
+    n_heads=4,
+    n_kv_heads=2,
+    d_ff=768,
+    vocab_size=3001,
+    moe=MoEConfig(n_experts=8, top_k=2, expert_d_ff=128, n_shared_experts=1, n_dense_layers=1),
+    name="hidden-moe",
+)
+
+
+def _published(weight_bytes: int, kv_per_token: int, gbps: float, batch: int, context: int, measured: float):
+    """A made-up published row; only the fields achieved_fraction reads matter."""
+    return PublishedDecode(
+        model="hidden-model",
+        weight_dtype="int4 g64",
+        device="hidden-gpu",
+        bandwidth_gbps=gbps,
+        batch=batch,
+        context=context,
+        measured_tpot_ms=measured,
+        predicted_tpot_ms=float("nan"),  # a learner must compute it, not read it
+        fraction=float("nan"),
+        source="hidden",
+        weight_bytes=weight_bytes,
+        kv_bytes_per_token=kv_per_token,
+        caveats="",
+    )
+
 
 CASES: dict[str, tuple] = {
     # lesson 00
@@ -48,22 +97,38 @@ CASES: dict[str, tuple] = {
         {"KVLAB_QUICK": ""},
         {"NBGRADER_EXECUTION": ""},
         {"PATH": "/usr/bin", "KVLAB_QUICK": "0"},
+        {"KVLAB_QUICK": "0", "NBGRADER_EXECUTION": "feedback"},
     ),
     "check_copy_gbps": ((3e9, 0.7), (12_345, 3e-6)),
     "check_stream_ms": ((7.7e9, 819.0), (1, 1.0)),
     # lesson 01
-    "check_kv_bytes_per_token": ((_GQA, 4), (_MQA_TIED, 2), (_WIDE_HEADS, 1), (_MLA, 2), (_GQA, 0.5)),
-    "check_weight_bytes": ((_GQA, 4), (_MQA_TIED, 2), (_WIDE_HEADS, 0.5)),
+    "check_kv_bytes_per_token": (
+        (_GQA, 4),
+        (_MQA_TIED, 2),
+        (_WIDE_HEADS, 1),
+        (_MLA, 2),
+        (_GQA, 0.5),
+        (_ODD_A, 1.0625),
+        (_ODD_B, 0.5625),
+    ),
+    "check_weight_bytes": ((_GQA, 4), (_MQA_TIED, 2), (_WIDE_HEADS, 0.5), (_ODD_A, 0.5625), (_ODD_B, 1.0625)),
     "check_tpot_ms": ((16_060_000_000, 131_072, 8000, 3, 2039.0), (1e6, 1000, 1, 1, 1.0)),
     "check_batch_for_tpot": ((90.0, 65_000_000_000, 262_144, 12_000, 4800.0),),
+    # Other models and contexts, so that pasted numbers fail; head_dim = d_model / n_heads and untied embeddings, so
+    # that a slip in exercise 1 or 2 that only those exercises' hidden checks catch does not cost this one as well.
+    "check_error_audit": ((_GQA, 12_345), (_GQA.replace(n_layers=9, n_kv_heads=2, name="hidden-gqa-9"), 65_539)),
     "check_decode_attention_flops": ((126, 16_384, 100_000), (2, 96, 7)),
     # lesson 02
     "check_ridge_intensity": ((1307e12, 5300.0), (121e12, 300.0)),
-    "check_decode_flops": ((_GQA, 777, 3), (_WIDE_HEADS, 1, 1), (_MQA_TIED, 20_000, 32)),
-    "check_prefill_flops": ((_GQA, 333), (_MQA_TIED, 2), (_WIDE_HEADS, 10_000)),
+    "check_decode_flops": ((_GQA, 777, 3), (_WIDE_HEADS, 1, 1), (_MQA_TIED, 20_000, 32), (_MOE, 500, 4)),
+    "check_prefill_flops": ((_GQA, 333), (_MQA_TIED, 2), (_WIDE_HEADS, 10_000), (_MOE, 64)),
     "check_roofline_time_ms": ((1e15, 1e9, 989e12, 3350.0), (3e9, 3e10, 1e12, 100.0)),
+    "check_achieved_fraction": (
+        _published(5_000_000_000, 131_072, 1008.0, 1, 4096, 9.1),
+        _published(70_000_000_000, 327_680, 4800.0, 16, 2000, 41.0),
+    ),
     # lesson 03
-    "check_request_metrics": ((0.9, 1.0, 1.25), (0.002, 0.0031, 0.0045, 0.0062, 0.0071)),
+    "check_request_metrics": ((0.9, 1.0, 1.25), (0.002, 0.0031, 0.0045, 0.0062, 0.0071), (0.04,)),
     "check_percentile": (((4.0, 9.0, 1.0, 7.0), 25), ((2.5, 2.5, 8.0), 100), ((1.0, 2.0, 3.0, 4.0, 100.0), 75)),
     "check_fit_tpot": (([1000, 3000, 9000, 27000], [41.0, 44.5, 57.0, 90.5]), ([1, 2], [0.5, 0.25])),
     "check_crossover_context": ((16_060_000_000, 131_072, 4), (1e6, 3.0, 7)),
@@ -88,11 +153,13 @@ check_kv_bytes_per_token = _hidden("check_kv_bytes_per_token")
 check_weight_bytes = _hidden("check_weight_bytes")
 check_tpot_ms = _hidden("check_tpot_ms")
 check_batch_for_tpot = _hidden("check_batch_for_tpot")
+check_error_audit = _hidden("check_error_audit")
 check_decode_attention_flops = _hidden("check_decode_attention_flops")
 check_ridge_intensity = _hidden("check_ridge_intensity")
 check_decode_flops = _hidden("check_decode_flops")
 check_prefill_flops = _hidden("check_prefill_flops")
 check_roofline_time_ms = _hidden("check_roofline_time_ms")
+check_achieved_fraction = _hidden("check_achieved_fraction")
 check_request_metrics = _hidden("check_request_metrics")
 check_percentile = _hidden("check_percentile")
 check_fit_tpot = _hidden("check_fit_tpot")

@@ -27,18 +27,22 @@ from kvlab.cache.base import KVCache
 from kvlab.config import ModelConfig
 from kvlab.model import Decoder
 from kvlab.presets import get_model
+from kvlab.published import PublishedDecode, published_decode
 from kvlab.roofline import (
     Bandwidth,
+    active_params,
+    bandwidth_buffer_mb,
     kv_bytes_per_token,
+    kv_elements_per_token_per_layer,
     measure_bandwidth,
     param_count,
     predict_tpot_ms,
-    weight_bytes,
 )
 
 __all__ = [
     "batch_for_tpot",
     "check_ab_slopes",
+    "check_achieved_fraction",
     "check_batch_for_tpot",
     "check_concat_cache",
     "check_copy_gbps",
@@ -69,7 +73,6 @@ __all__ = [
 ]
 
 REL_TOL = 1e-9  # floats computed by another order of operations differ in the last bits, never by more
-_BYTES_DTYPE = {4: "fp32", 2: "bf16", 1: "fp8", 0.5: "int4"}
 
 
 # -- lesson support -------------------------------------------------------------------------------------------------
@@ -83,9 +86,11 @@ def setup_lesson(seed: int = 0) -> bool:
     """What every lesson's setup cell does; returns whether quick mode is on.
 
     - torch runs on one thread, unless ``OMP_NUM_THREADS`` asks for more outside quick mode. When a machine's cores
-      are shared, a multi-threaded operation waits for its slowest thread: on the course's 2-core machine, another
-      job's load made a 2-thread decode step 3 to 50 times slower, and the timings meaningless. One thread is slower
-      on an idle machine but steady on a busy one, and every prediction uses a bandwidth measured the same way.
+      are shared, a multi-threaded operation waits for its slowest thread. Measured on a 2-core AMD EPYC that other
+      jobs kept busy (load average 4 to 5), alternating 1 and 2 threads: a cpu-tiny decode step at 1,024 tokens took
+      1.75 to 47 times as long on 2 threads (median of 30 steps, 8 rounds), a cpu-small step at 4,096 tokens 2.0 to
+      11 times (5 rounds). One thread is slower on an idle machine but steady on a busy one, and every prediction
+      uses a bandwidth measured with the same threads.
     - Under nbgrader, warnings are silenced (a test cell that writes anything to stderr scores zero), and
       tracebacks shrink to their last line (a full one would quote the hidden test code into the feedback).
     - torch is seeded, so a notebook's random inputs repeat from run to run.
@@ -106,23 +111,30 @@ def setup_lesson(seed: int = 0) -> bool:
 
 # -- reference answers the byte model does not provide --------------------------------------------------------------
 def decode_flops(cfg: ModelConfig, context: int, batch: int = 1) -> int:
-    """FLOPs of one decode step: 2 per parameter per sequence, plus attention's 4 x context x heads x head dim
-    per layer (q.K and p.V, 2 FLOPs per multiply-add each). Dense attention only (not MLA's absorbed form)."""
+    """FLOPs of one decode step: 2 per parameter a token uses, per sequence, plus attention's 4 x context x heads
+    x head dim per layer (q.K and p.V, 2 FLOPs per multiply-add each). Dense attention only (not MLA's absorbed form).
+
+    The parameters a token uses are ``active_params(cfg)`` at batch 1: all of a dense model's, and for a mixture of
+    experts the dense parts plus the ``top_k`` routed and the shared experts. Each sequence multiplies by its own
+    experts only, so FLOPs scale with batch x per-token parameters, even where the batch as a whole reads more
+    experts' bytes (``active_params(cfg, batch)``). Every parameter counts 2, the untied input table included
+    (lesson 02 says why).
+    """
     attention = 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * context
-    return batch * (2 * param_count(cfg) + attention)
+    return batch * (2 * active_params(cfg) + attention)
 
 
 def prefill_flops(cfg: ModelConfig, n_tokens: int) -> int:
     """FLOPs of a causal prefill of ``n_tokens``: token t attends over t keys, so attention sums to
     2 x layers x heads x head dim x T (T + 1), which is of order 2 T^2 d per layer."""
     attention = 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * n_tokens * (n_tokens + 1)
-    return 2 * param_count(cfg) * n_tokens + attention
+    return 2 * active_params(cfg) * n_tokens + attention
 
 
 def batch_for_tpot(
     target_ms: float, weight_bytes: float, kv_bytes_per_token: float, context: int, bandwidth_gbps: float
 ) -> float:
-    """The batch at which the two-term model reaches ``target_ms`` (fractional: the model is linear in batch)."""
+    """The batch at which the byte model reaches ``target_ms`` (fractional: the model is linear in batch)."""
     return (target_ms / 1e3 * bandwidth_gbps * 1e9 - weight_bytes) / (context * kv_bytes_per_token)
 
 
@@ -132,26 +144,64 @@ def crossover_context(weight_bytes: float, kv_bytes_per_token: float, batch: int
 
 
 # -- message helpers ------------------------------------------------------------------------------------------------
+Slips = Sequence[tuple[float, str]]  # (the value a slip produces, the slip named), for _hint
+
+
 def _fail(quantity: str, got: Any, form: str, fix: str, expected: Any = None, reveal: bool = True) -> None:
-    want = f"expected {expected!r} ({form})" if reveal and expected is not None else f"expected {form}"
+    """Raise the learner's message: what they returned, what was wanted, and what to fix.
+
+    Without ``expected``, ``form`` is what was wanted ("a dict with the key 'device'"). With it, ``form`` names
+    the kind of value ("number of bytes"); a hidden check (``reveal=False``) then says only that the value is
+    wrong, never which type to return, since the learner's type was already right.
+    """
+    if expected is None:
+        want = f"expected {form}"
+    elif reveal:
+        want = f"expected {expected!r} ({form})"
+    else:
+        want = f"which is not the right {form} (a hidden check does not reveal the right one)"
     raise AssertionError(f"{quantity}: got {got!r}; {want}. {fix}")
 
 
-def _hint(got: float, want: float, reveal: bool) -> str:
-    """Name the classic slips by the ratio they leave behind; empty when none fits, or when the ratio would give
-    the withheld expected value away."""
-    if not reveal or not want or not isinstance(got, numbers.Real):
+# Factors of 1000 mean different slips in different units: a time in ms that is 1/1000 too small is in seconds,
+# but a bandwidth 1/1000 too small comes from a time in ms divided into bytes, not from the bandwidth's GB.
+_UNIT_SLIPS: dict[str, Slips] = {
+    "ms": (
+        (1e-3, "It is 1/1000 of the expected value: is it in seconds? Return milliseconds."),
+        (1e3, "It is 1000 times the expected value: is the factor 1000 applied twice, or GB/s taken as 1e6 B/s?"),
+    ),
+    "µs": (
+        (1e-3, "It is 1/1000 of the expected value: is it in ms? Return microseconds."),
+        (1e3, "It is 1000 times the expected value: is the factor 1000 applied twice?"),
+    ),
+    "GB/s": (
+        (1e-3, "It is 1/1000 of the expected value: are the times in ms where seconds belong?"),
+        (1e3, "It is 1000 times the expected value: were the seconds divided by 1000?"),
+        (1e9, "It is in bytes per second: divide by 1e9 for GB/s."),
+    ),
+}
+_FACTOR_TWO: Slips = (
+    (0.5, "It is half the expected value: is a factor of 2 missing?"),
+    (2.0, "It is twice the expected value: is a factor of 2 counted twice?"),
+)
+
+
+def _hint(got: float, want: float, reveal: bool, unit: str = "", slips: Slips = ()) -> str:
+    """A sentence naming the slip that explains a wrong value, or "" when none does.
+
+    ``slips`` pair a value that a checker recomputed with one named mistake (the query heads in place of the KV
+    heads, say) with a sentence naming it; they are tried first, since an exact match is better evidence than a
+    ratio, which can have several causes. Then a factor of 2, and the factors of 1000 that ``unit`` makes likely.
+    Nothing when ``reveal`` is off: a slip's value or a ratio would give the withheld value away.
+    """
+    if not reveal or not want or not _is_real(got):
         return ""
-    hints = {
-        0.5: "It is half the expected value: is a factor of 2 missing (K and V, read and write)?",
-        2.0: "It is twice the expected value: is a factor of 2 counted twice?",
-        8.0: "It is 8 times the expected value: bits instead of bytes?",
-        1e3: "It is 1000 times the expected value: check the unit (ms vs s, GB vs MB).",
-        1e-3: "It is 1/1000 of the expected value: check the unit (ms vs s, GB vs MB).",
-    }
-    for ratio, hint in hints.items():
+    named = [slip for value, slip in slips if math.isclose(got, value, rel_tol=1e-9)]
+    if named:  # two slips can give one value (n_heads = 8 x n_kv_heads, or bits): name each, the likeliest first
+        return " " + " Or: ".join(dict.fromkeys(named))
+    for ratio, slip in (*_FACTOR_TWO, *_UNIT_SLIPS.get(unit.split(" ")[0], ())):
         if math.isclose(got / want, ratio, rel_tol=1e-6):
-            return " " + hint
+            return " " + slip
     return ""
 
 
@@ -163,19 +213,30 @@ def _is_real(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
-def _exact_int(quantity: str, got: Any, want: int, unit: str, fix: str, reveal: bool) -> None:
+def _exact_int(quantity: str, got: Any, want: int, unit: str, fix: str, reveal: bool, slips: Slips = ()) -> None:
     if not _is_int(got):
         kind = type(got).__name__
         _fail(quantity, got, f"an int number of {unit}, not a {kind}", "Return an int (round() a fractional count).")
     if got != want:
-        _fail(quantity, got, f"an int number of {unit}", fix + _hint(got, want, reveal), want, reveal)
+        _fail(quantity, got, f"number of {unit}", fix + _hint(got, want, reveal, unit, slips), want, reveal)
 
 
-def _close(quantity: str, got: Any, want: float, unit: str, fix: str, reveal: bool, rel: float = REL_TOL) -> None:
-    if not _is_real(got) or not math.isfinite(got):
-        _fail(quantity, got, f"a finite number in {unit}", "Return a float.")
+def _close(
+    quantity: str,
+    got: Any,
+    want: float,
+    unit: str,
+    fix: str,
+    reveal: bool,
+    rel: float = REL_TOL,
+    slips: Slips = (),
+) -> None:
+    if not _is_real(got):
+        _fail(quantity, got, f"a number in {unit}, not a {type(got).__name__}", "Return a float.")
+    if not math.isfinite(got):
+        _fail(quantity, got, f"a finite number in {unit}", "Look for a division by zero or an overflow.")
     if not math.isclose(got, want, rel_tol=rel, abs_tol=1e-12):
-        _fail(quantity, got, f"a number in {unit}", fix + _hint(got, want, reveal), want, reveal)
+        _fail(quantity, got, f"value in {unit}", fix + _hint(got, want, reveal, unit, slips), want, reveal)
 
 
 def _call(quantity: str, fn: Callable, *args: Any) -> Any:
@@ -193,14 +254,31 @@ def _label(cfg: ModelConfig) -> str:
 
 
 # -- lesson 00: orientation -----------------------------------------------------------------------------------------
+# Each case separates the stated rule from a near miss: "KVLAB_QUICK" in env ("0"), == "1" ("true"), != "0" (""),
+# a truthy NBGRADER_EXECUTION (""), and KVLAB_QUICK="0" overriding nbgrader.
 _QUICK_CASES: tuple[dict[str, str], ...] = (
     {},
     {"KVLAB_QUICK": "1"},
     {"KVLAB_QUICK": "0"},
+    {"KVLAB_QUICK": ""},
+    {"KVLAB_QUICK": "true"},
     {"NBGRADER_EXECUTION": "autograde"},
+    {"NBGRADER_EXECUTION": ""},
     {"KVLAB_QUICK": "0", "NBGRADER_EXECUTION": "validate"},
     {"HOME": "/home/me"},
 )
+
+
+def _quick_reason(env: Mapping[str, str]) -> str:
+    """Why the stated rule decides ``env`` as it does, for the public check's message."""
+    if "NBGRADER_EXECUTION" in env:
+        return f'NBGRADER_EXECUTION is set (to {env["NBGRADER_EXECUTION"]!r}), and any value, even "", means quick.'
+    if "KVLAB_QUICK" not in env:
+        return "Neither KVLAB_QUICK nor NBGRADER_EXECUTION is set, so this is full mode."
+    value = env["KVLAB_QUICK"]
+    if value in ("", "0"):
+        return f'KVLAB_QUICK is {value!r}: "" and "0" are the two values that leave quick mode off.'
+    return f'KVLAB_QUICK is {value!r}: every value except "" and "0" turns quick mode on.'
 
 
 def check_quick_mode(fn: Callable[[Mapping[str, str]], bool], cases=_QUICK_CASES, reveal: bool = True) -> None:
@@ -208,10 +286,11 @@ def check_quick_mode(fn: Callable[[Mapping[str, str]], bool], cases=_QUICK_CASES
     for env in cases:
         got = _call(f"quick_mode({env})", fn, dict(env))
         if not isinstance(got, bool):
-            _fail(f"quick_mode({env})", got, "a bool", "Return True or False.")
+            _fail(f"quick_mode({env})", got, f"a bool, not a {type(got).__name__}", "Return True or False.")
         if got != quick_mode(env):
-            fix = 'Quick mode is on when KVLAB_QUICK is set to anything but "" or "0", or NBGRADER_EXECUTION is set.'
-            _fail(f"quick_mode({env})", got, "a bool", fix, quick_mode(env), reveal)
+            rule = 'Quick mode is on when KVLAB_QUICK is set to anything but "" or "0", or NBGRADER_EXECUTION is set.'
+            fix = _quick_reason(env) if reveal else rule
+            _fail(f"quick_mode({env})", got, "answer", fix, quick_mode(env), reveal)
 
 
 _COPY_CASES = ((256e6, 0.02), (1_000_000, 1e-4), (4096, 2.5e-7))
@@ -221,6 +300,7 @@ def check_copy_gbps(fn: Callable[[float, float], float], cases=_COPY_CASES, reve
     """``fn(n_bytes, seconds)`` -> copy bandwidth in GB/s when copying ``n_bytes`` took ``seconds``."""
     for n_bytes, seconds in cases:
         fix = "A copy reads n bytes and writes n bytes; GB/s means 1e9 bytes per second."
+        slips = ((n_bytes / seconds / 1e9, "It counts the n bytes once: a copy reads them and also writes them."),)
         _close(
             f"copy_gbps({n_bytes:g}, {seconds:g})",
             _call("copy_gbps", fn, n_bytes, seconds),
@@ -228,27 +308,49 @@ def check_copy_gbps(fn: Callable[[float, float], float], cases=_COPY_CASES, reve
             "GB/s",
             fix,
             reveal,
+            slips=slips,
         )
 
 
-def check_measured_copy(gbps: float, times_s: Sequence[float], n_bytes: int) -> None:
-    """Your CPU copy bandwidth: the median of your own timings, and within a factor 3 of kvlab's measurement.
+# How far your copy bandwidth may sit from kvlab's, measured moments later in the same process: a factor 2.5 either
+# way. Measured spread of that ratio, the lesson's procedure repeated 60 times at one thread in quick mode (68 MB):
+# 0.46 to 1.81 on the course's 2-core AMD EPYC (32 MiB L3) while other jobs loaded it (its copy bandwidth itself
+# ranged 4.5 to 19 GB/s); the learner's 2-core AMD EPYC measured copy 23 to 33 GB/s, at most 1.43 either way.
+# The slips it catches sit further out: allocating the destination inside the timed region measured 0.09 to 0.29,
+# timings in ms 1/1000, and one clock started before the loop (cumulative times) 1/3 for 5 repeats, 1/5.5 for 10.
+COPY_BAND = 2.5
 
-    The band: two measurements of one buffer in one process differ by run-to-run noise (±20% on the course's
-    machine) and by the timing method; a factor 3 either way flags a unit slip or a missing warm-up (the first
-    copy also pays for fresh pages), not noise.
+
+def check_measured_copy(gbps: float, times_s: Sequence[float], n_bytes: int) -> None:
+    """Your CPU copy bandwidth: the median of your own timings, and within ``COPY_BAND`` of kvlab's measurement.
+
+    A missing warm-up is not caught here, by design: only the first timing pays for fresh pages, and the median
+    drops it. The buffer must be at least ``bandwidth_buffer_mb(quick=True)``, twice the last-level cache.
     """
     if len(times_s) < 5:
         _fail("copy timings", len(times_s), "at least 5 timed repeats", "Time more repeats after the warm-up.")
+    smallest = bandwidth_buffer_mb(quick=True) * 1e6
+    if n_bytes < smallest:
+        _fail(
+            "n_bytes",
+            n_bytes,
+            f"at least {smallest:.0f} bytes, twice this CPU's last-level cache",
+            "Use the buffer size the cell sets: a smaller one is served by the cache, not memory.",
+        )
     own = 2 * n_bytes / percentile(list(times_s), 50) / 1e9
-    _close("my_copy_gbps", gbps, own, "GB/s", "Use copy_gbps(n_bytes, median of your timings).", True, rel=1e-6)
+    slips = (
+        (own / 2, "It counts the bytes once: a copy of n bytes moves 2n."),
+        (2 * n_bytes / min(times_s) / 1e9, "It uses the fastest timing: take the median."),
+    )
+    _close("my_copy_gbps", gbps, own, "GB/s", "Use copy_gbps(n_bytes, median of your timings).", True, 1e-6, slips)
     ref = measure_bandwidth("cpu", size_mb=n_bytes / 1e6, repeats=5).copy_gbps
-    if not 1 / 3 <= gbps / ref <= 3:
+    if not 1 / COPY_BAND <= gbps / ref <= COPY_BAND:
         _fail(
             "my_copy_gbps",
             round(gbps, 2),
-            f"within 3x of kvlab's {ref:.2f} GB/s measured just now",
-            "Warm up once before timing, time only the copy, and take the median.",
+            f"within {COPY_BAND}x of kvlab's {ref:.2f} GB/s measured just now",
+            "Time only dst.copy_(src), one copy per timing (allocate outside the timed region, restart the clock "
+            "for each copy), in seconds.",
         )
 
 
@@ -293,6 +395,14 @@ def check_environment_report(report: Mapping[str, Any], bandwidth: Bandwidth) ->
 
 
 # -- lesson 01: bytes per step --------------------------------------------------------------------------------------
+# Two shapes no real model has, whose bytes come out fractional at 0.5625 bytes per element (int4 with a 16-bit scale
+# per 64 values): .75 and .25 of a byte over, so that truncating fails the first and rounding up the second.
+_ODD_SHAPES = (
+    ModelConfig(n_layers=5, d_model=124, n_heads=2, n_kv_heads=1, head_dim=62, d_ff=256, vocab_size=1000, name="odd-a"),
+    ModelConfig(n_layers=5, d_model=116, n_heads=2, n_kv_heads=1, head_dim=58, d_ff=256, vocab_size=1000, name="odd-b"),
+)
+
+
 def _course_models() -> tuple[tuple[ModelConfig, float], ...]:
     return (
         (get_model("llama-3.1-70b"), 2),
@@ -301,7 +411,32 @@ def _course_models() -> tuple[tuple[ModelConfig, float], ...]:
         (get_model("llama-3.1-8b").replace(n_kv_heads=1, name="llama-3.1-8b-mqa"), 2),
         (get_model("deepseek-v3"), 2),
         (get_model("qwen3-8b"), 0.5),
+        *((cfg, 0.5625) for cfg in _ODD_SHAPES),
     )
+
+
+def _count_slips(exact: float) -> list[tuple[float, str]]:
+    """Slips any byte count can make: bits for bytes, and an int other than the nearest."""
+    return [
+        (round(exact * 8), "It is 8 times the expected value: bits per element instead of bytes?"),
+        (math.floor(exact), "It is the product truncated: round it to the nearest integer with round()."),
+        (math.ceil(exact), "It is the product rounded up: round it to the nearest integer with round()."),
+    ]
+
+
+def _kv_slips(cfg: ModelConfig, size: float, exact: float) -> list[tuple[float, str]]:
+    """The values a KV count takes with one named mistake, the likeliest first."""
+    slips = []
+    if cfg.mla is not None:
+        per_head = round(2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * size)
+        mla = "It counts per-head K and V, but MLA caches one latent of kv_lora_rank + qk_rope_head_dim per layer."
+        slips.append((per_head, mla))
+    elif cfg.n_heads != cfg.n_kv_heads:
+        heads = "It counts the query heads (n_heads): K and V are cached once per KV head (n_kv_heads)."
+        slips.append((round(exact * cfg.n_heads / cfg.n_kv_heads), heads))
+    slips.append((round(exact / 2), "It is half the expected value: is the factor of 2 for K and V missing?"))
+    slips.append((round(exact / cfg.n_layers), "It is one layer's bytes: multiply by n_layers."))
+    return slips + _count_slips(exact)
 
 
 def check_kv_bytes_per_token(
@@ -309,15 +444,19 @@ def check_kv_bytes_per_token(
     cases: Iterable[tuple[ModelConfig, float]] | None = None,
     reveal: bool = True,
 ) -> None:
-    """``fn(cfg, bytes_per_element)`` -> bytes one token of one sequence caches, all layers, K and V."""
+    """``fn(cfg, bytes_per_element)`` -> bytes one token of one sequence caches, all layers, K and V.
+
+    Expected: ``round(layers x elements per token per layer x bytes per element)``, as ``kv_bytes_per_token``.
+    """
+    fix = (
+        "Per layer a token stores K and V for each KV head: 2 x kv_heads x head_dim elements; "
+        "MLA stores one latent of kv_lora_rank + qk_rope_head_dim elements instead."
+    )
     for cfg, size in _course_models() if cases is None else cases:
-        want = kv_bytes_per_token(cfg, _BYTES_DTYPE[size])
-        fix = (
-            "Per layer a token stores K and V for each KV head: 2 x kv_heads x head_dim elements; "
-            "MLA stores one latent of kv_lora_rank + qk_rope_head_dim elements instead."
-        )
-        got = _call(f"kv_bytes_per_token({_label(cfg)}, {size})", fn, cfg, size)
-        _exact_int(f"kv_bytes_per_token({_label(cfg)}, bytes_per_element={size})", got, want, "bytes", fix, reveal)
+        exact = cfg.n_layers * kv_elements_per_token_per_layer(cfg) * size
+        label = f"kv_bytes_per_token({_label(cfg)}, bytes_per_element={size})"
+        got = _call(label, fn, cfg, size)
+        _exact_int(label, got, round(exact), "bytes", fix, reveal, _kv_slips(cfg, size, exact))
 
 
 def _dense_models() -> tuple[tuple[ModelConfig, float], ...]:
@@ -326,7 +465,23 @@ def _dense_models() -> tuple[tuple[ModelConfig, float], ...]:
         (get_model("cpu-tiny"), 4),
         (get_model("smollm2-135m"), 2),
         (get_model("qwen2.5-7b"), 1),
+        *((cfg, 0.5625) for cfg in _ODD_SHAPES),  # fractional counts, .25 and .75 over
     )
+
+
+def _weight_slips(cfg: ModelConfig, size: float) -> list[tuple[float, str]]:
+    """The values a weight count takes with one named mistake."""
+    params, d = param_count(cfg), cfg.d_model
+    tied = "twice, but tie_embeddings is True" if cfg.tie_embeddings else "once, but tie_embeddings is False"
+    kv_heads = "It gives the K and V projections n_heads heads: they are d x n_kv_heads x head_dim."
+    norms = "It leaves out the norms: two of d per layer, one final."
+    return [
+        (round(param_count(cfg.replace(n_kv_heads=cfg.n_heads)) * size), kv_heads),
+        (round(param_count(cfg.replace(tie_embeddings=not cfg.tie_embeddings)) * size), f"It counts the table {tied}."),
+        (round((params - (2 * cfg.n_layers + 1) * d) * size), norms),
+        (round((params - d) * size), "It leaves out the final norm (d weights)."),
+        *_count_slips(params * size),
+    ]
 
 
 def check_weight_bytes(
@@ -334,16 +489,19 @@ def check_weight_bytes(
     cases: Iterable[tuple[ModelConfig, float]] | None = None,
     reveal: bool = True,
 ) -> None:
-    """``fn(cfg, bytes_per_element)`` -> bytes of all parameters of a Llama-style shape, counted from the shape."""
+    """``fn(cfg, bytes_per_element)`` -> bytes of all parameters of a Llama-style shape, counted from the shape.
+
+    Expected: ``round(param_count x bytes per element)``, as ``kvlab.roofline.weight_bytes``.
+    """
+    fix = (
+        "Count embeddings (twice unless tied: input table and output head), per layer the Q, K, V, O projections "
+        "(d x heads x head_dim for Q and O, d x kv_heads x head_dim for K and V), three d x d_ff MLP matrices "
+        "and two norms of d, plus the final norm."
+    )
     for cfg, size in _dense_models() if cases is None else cases:
-        want = weight_bytes(cfg, _BYTES_DTYPE[size])
-        fix = (
-            "Count embeddings (twice unless tied: input table and output head), per layer the Q, K, V, O projections "
-            "(d x heads x head_dim for Q and O, d x kv_heads x head_dim for K and V), three d x d_ff MLP matrices "
-            "and two norms of d, plus the final norm."
-        )
-        got = _call(f"weight_bytes({_label(cfg)}, {size})", fn, cfg, size)
-        _exact_int(f"weight_bytes({_label(cfg)}, bytes_per_element={size})", got, want, "bytes", fix, reveal)
+        label = f"weight_bytes({_label(cfg)}, bytes_per_element={size})"
+        got = _call(label, fn, cfg, size)
+        _exact_int(label, got, round(param_count(cfg) * size), "bytes", fix, reveal, _weight_slips(cfg, size))
 
 
 _TPOT_CASES = (
@@ -359,7 +517,9 @@ def check_tpot_ms(fn: Callable[..., float], cases=_TPOT_CASES, reveal: bool = Tr
         want = predict_tpot_ms(w + batch * context * kv, gbps)
         fix = "TPOT = (weight bytes + batch x context x KV bytes per token) / (bandwidth in bytes/s), in ms."
         label = f"tpot_ms({w}, {kv}, context={context}, batch={batch}, {gbps:g} GB/s)"
-        _close(label, _call(label, fn, w, kv, context, batch, gbps), want, "ms", fix, reveal)
+        no_batch = "It leaves out the batch: each sequence in it reads its own cache, the weights are read once."
+        slips = ((predict_tpot_ms(w + context * kv, gbps), no_batch),) if batch != 1 else ()
+        _close(label, _call(label, fn, w, kv, context, batch, gbps), want, "ms", fix, reveal, slips=slips)
 
 
 _BATCH_CASES = (
@@ -383,26 +543,75 @@ def check_batch_for_tpot(fn: Callable[..., float], cases=_BATCH_CASES, reveal: b
         )
 
 
-def check_error_audit(expression_bytes: int, mha_kv_bytes_32k: int, gqa8_kv_bytes_32k: int) -> None:
-    """The circulating claim about Llama-3.1-70B's KV cache at 32k tokens, audited.
-
-    ``expression_bytes``: what ``2 x 80 x 8192 x 32 x 2`` really equals; the other two: the KV bytes one sequence
-    caches at 32,768 tokens in BF16 with 64 KV heads (MHA) and with 8 (GQA-8, the real model).
-    """
-    cfg = get_model("llama-3.1-70b")
-    context = 32_768
-    _exact_int(
-        "expression_bytes",
-        expression_bytes,
-        2 * 80 * 8192 * 32 * 2,
-        "bytes",
-        "Evaluate the expression as written: it has no sequence length in it.",
-        True,
+def _audit_models() -> tuple[tuple[ModelConfig, int], ...]:
+    return (
+        (get_model("llama-3.1-70b"), 32_768),
+        (get_model("llama-3.1-70b"), 30_000),
+        (get_model("qwen3-8b"), 4096),
     )
-    mha = cfg.replace(n_kv_heads=cfg.n_heads, name="llama-3.1-70b-mha")
-    fix = "KV bytes = 2 x layers x kv_heads x head_dim x bytes per element x tokens."
-    _exact_int("mha_kv_bytes_32k", mha_kv_bytes_32k, kv_bytes_per_token(mha) * context, "bytes", fix, True)
-    _exact_int("gqa8_kv_bytes_32k", gqa8_kv_bytes_32k, kv_bytes_per_token(cfg) * context, "bytes", fix, True)
+
+
+_EXPRESSION = 2 * 80 * 8192 * 32 * 2  # the circulating "MHA at 32k" expression, evaluated as written
+
+
+def check_error_audit(
+    fn: Callable[[ModelConfig, int], Mapping[str, Any]],
+    expression_bytes: int | None = None,
+    cases: Iterable[tuple[ModelConfig, int]] | None = None,
+    reveal: bool = True,
+) -> None:
+    """The circulating claims about a model's KV cache, audited, for one sequence in BF16.
+
+    ``expression_bytes`` (checked when given): what ``2 x 80 x 8192 x 32 x 2`` equals. ``fn(cfg, context)`` ->
+    ``{"mha_kv_bytes": int, "kv_bytes": int, "kv_over_weights": float}``: the cache at ``context`` tokens with one
+    KV head per query head (MHA, what the claims assume), the cache with the model's own KV heads, and that over
+    the bytes of all weights ("the KV cache rivals the weights" says about 1). Dense models without MLA only.
+    """
+    if expression_bytes is not None:
+        slips = (
+            (_EXPRESSION * 1000, "It is 1000 times what the expression equals: the product is MB, not GB."),
+            (83.9e9, "That is the claim's 83.9 GB: evaluate the expression itself."),
+        )
+        fix = "Evaluate the expression as written: it has no sequence length in it."
+        _exact_int("expression_bytes", expression_bytes, _EXPRESSION, "bytes", fix, True, slips)
+    keys = ("mha_kv_bytes", "kv_bytes", "kv_over_weights")
+    for cfg, context in _audit_models() if cases is None else cases:
+        call = f"audit({_label(cfg)}, context={context})"
+        got = _call(call, fn, cfg, context)
+        if not isinstance(got, Mapping) or not set(keys) <= set(got):
+            _fail(call, got, f"a dict with the keys {', '.join(keys)}", "Return a dict with all three keys.")
+        mha = kv_bytes_per_token(cfg.replace(n_kv_heads=cfg.n_heads), "bf16")
+        own, weights = kv_bytes_per_token(cfg, "bf16"), round(param_count(cfg) * 2)
+        fix = "KV bytes = 2 x layers x KV heads x head_dim x 2 bytes (BF16) x context tokens"
+        # audit builds on exercises 1 and 2: a fault there shows up here, and the message must say where to look
+        uses = " audit uses kv_bytes_per_token and weight_bytes (exercises 1 and 2): if their checks fail, fix those."
+        one_token = "It is one token's bytes: multiply by the context."
+        in_k = "It puts the context in thousands (32 for 32k) where the number of tokens belongs."
+        mha_slips = ((mha, one_token), (mha * round(context / 1024), in_k), (mha * round(context / 1000), in_k))
+        _exact_int(
+            f"{call}['mha_kv_bytes']",
+            got["mha_kv_bytes"],
+            mha * context,
+            "bytes",
+            f"{fix}, with KV heads = n_heads.{uses}",
+            reveal,
+            mha_slips,
+        )
+        own_slips = ((own, one_token), (mha * context, "It is the MHA cache: use the model's own n_kv_heads."))
+        _exact_int(f"{call}['kv_bytes']", got["kv_bytes"], own * context, "bytes", f"{fix}.{uses}", reveal, own_slips)
+        ratio_slips = (
+            (weights / (own * context), "It is weights / KV: return KV / weights."),
+            (mha * context / weights, "It uses the MHA cache: use the model's own KV heads."),
+        )
+        _close(
+            f"{call}['kv_over_weights']",
+            got["kv_over_weights"],
+            own * context / weights,
+            "KV bytes per weight byte",
+            "KV bytes at this context over the bytes of all weights, both in BF16." + uses,
+            reveal,
+            slips=ratio_slips,
+        )
 
 
 _ATTN_FLOP_CASES = ((80, 8192, 32_768), (32, 4096, 1), (4, 256, 4096))
@@ -415,8 +624,10 @@ def check_decode_attention_flops(
     for layers, d, context in cases:
         label = f"decode_attention_flops({layers}, {d}, {context})"
         fix = (
-            "One new query against `context` keys: q.K is 2 x context x d FLOPs and p.V another 2 x context x d, "
-            "per layer. There is no context^2: the past queries are not recomputed."
+            "One new query against `context` keys: every query head multiplies its head_dim-wide query with each "
+            "cached key (q.K, 2 x context x n_heads x head_dim = 2 x context x d FLOPs) and the values likewise "
+            "(p.V, as many again), per layer; GQA shares K and V, not these multiplies. There is no context^2: "
+            "the past queries are not recomputed."
         )
         _exact_int(label, _call(label, fn, layers, d, context), 4 * layers * d * context, "FLOPs", fix, reveal)
 
@@ -434,7 +645,7 @@ def check_ridge_intensity(fn: Callable[[float, float], float], cases=_RIDGE_CASE
 
 
 def _flop_models() -> tuple[ModelConfig, ...]:
-    return get_model("llama-3.1-8b"), get_model("cpu-tiny"), get_model("qwen3-8b")
+    return get_model("llama-3.1-8b"), get_model("cpu-tiny"), get_model("qwen3-8b"), get_model("mixtral-8x7b")
 
 
 def check_decode_flops(fn: Callable[[ModelConfig, int, int], int], cases=None, reveal: bool = True) -> None:
@@ -442,7 +653,10 @@ def check_decode_flops(fn: Callable[[ModelConfig, int, int], int], cases=None, r
     cases = [(cfg, ctx, b) for cfg in _flop_models() for ctx, b in ((4096, 1), (1, 16))] if cases is None else cases
     for cfg, context, batch in cases:
         label = f"decode_flops({_label(cfg)}, context={context}, batch={batch})"
-        fix = "Per sequence: 2 FLOPs per parameter, plus 4 x context x heads x head_dim per layer for attention."
+        fix = (
+            "Per sequence: 2 FLOPs per parameter a token uses (roofline.active_params(cfg): a mixture of experts "
+            "uses only its routed experts), plus 4 x context x query heads x head_dim per layer for attention."
+        )
         _exact_int(
             label, _call(label, fn, cfg, context, batch), decode_flops(cfg, context, batch), "FLOPs", fix, reveal
         )
@@ -454,8 +668,9 @@ def check_prefill_flops(fn: Callable[[ModelConfig, int], int], cases=None, revea
     for cfg, n in cases:
         label = f"prefill_flops({_label(cfg)}, n_tokens={n})"
         fix = (
-            "2 FLOPs per parameter per token, plus attention: token t (t = 1..T) attends over t keys at 4 x heads "
-            "x head_dim FLOPs per key per layer, a sum of 2 x layers x heads x head_dim x T (T + 1)."
+            "2 FLOPs per parameter a token uses (roofline.active_params(cfg)) per token, plus attention: token t "
+            "(t = 1..T) attends over t keys at 4 x query heads x head_dim FLOPs per key per layer, a sum of "
+            "2 x layers x heads x head_dim x T (T + 1)."
         )
         _exact_int(label, _call(label, fn, cfg, n), prefill_flops(cfg, n), "FLOPs", fix, reveal)
 
@@ -479,16 +694,19 @@ def check_fixed_overhead(
 ) -> None:
     """The per-step cost the byte model leaves out, from your own measurement of a model too small to stream.
 
-    Consistency: ``predicted_ms`` is the bytes-only prediction and ``overhead_ms`` your measured step minus it.
-    Band: the micro model's bytes stream in a few microseconds, while dispatching its dozens of PyTorch operations
-    takes tens of microseconds or more on any CPU or GPU, so the overhead must be at least half the measured step.
+    Consistency: ``predicted_ms`` is the byte model's prediction (``n_bytes`` at the read bandwidth
+    ``bandwidth_gbps``) and ``overhead_ms`` your measured step minus it.
+    Band: lesson 02's micro model is sized so that its bytes (about 20 kB) stream in about a microsecond at any
+    machine's memory bandwidth, and sit in a cache besides, while dispatching its dozens of PyTorch operations takes
+    tens of microseconds or more on any CPU or GPU; so the overhead must be at least half the measured step. (On the
+    course's loaded 2-core machine, 50 quick-mode runs put it at 95-99% of the step.)
     """
     _close(
         "micro_predicted_ms",
         predicted_ms,
         predict_tpot_ms(n_bytes, bandwidth_gbps),
         "ms",
-        "Bytes / (copy bandwidth in bytes/s), in ms.",
+        "Bytes / (read bandwidth in bytes/s), in ms.",
         True,
         rel=1e-6,
     )
@@ -510,25 +728,53 @@ def check_fixed_overhead(
         )
 
 
+def check_achieved_fraction(
+    fn: Callable[[PublishedDecode], float], cases: Iterable[PublishedDecode] | None = None, reveal: bool = True
+) -> None:
+    """``fn(row)`` -> byte-model TPOT at the row's datasheet bandwidth / the row's measured TPOT."""
+    for row in published_decode() if cases is None else cases:
+        label = f"achieved_fraction({row.model}, {row.weight_dtype}, {row.device}, batch={row.batch})"
+        n_bytes = row.weight_bytes + row.batch * row.context * row.kv_bytes_per_token
+        want = predict_tpot_ms(n_bytes, row.bandwidth_gbps) / row.measured_tpot_ms
+        fix = (
+            "Predicted TPOT = (weight bytes + batch x context x KV bytes per token) / (bandwidth x 1e9), in ms; "
+            "divide it by the measured TPOT (a fraction below 1)."
+        )
+        _close(label, _call(label, fn, row), want, "a fraction of the bandwidth", fix, reveal)
+
+
 # -- lesson 03: measuring TPOT --------------------------------------------------------------------------------------
-_REQUEST_CASES = ((0.120, 0.150, 0.185, 0.215), (0.5, 0.51), (0.0312, 0.0401, 0.0499, 0.0588, 0.0702, 0.0789))
+_REQUEST_CASES = ((0.120, 0.150, 0.185, 0.215), (0.5, 0.51), (0.0312, 0.0401, 0.0499, 0.0588, 0.0702, 0.0789), (0.25,))
+_ONE_TOKEN_TPOT = (
+    "A one-token request has no gap after its first token: its tpot_ms is None (vLLM's benchmark leaves such "
+    "requests out of its TPOT statistics), and itl_ms is empty."
+)
 
 
 def check_request_metrics(
     fn: Callable[[Sequence[float]], Mapping[str, Any]], cases=_REQUEST_CASES, reveal: bool = True
 ) -> None:
-    """``fn(token_times_s)`` -> {"ttft_ms", "tpot_ms", "itl_ms" (a list), "e2el_ms"} for one request."""
+    """``fn(token_times_s)`` -> {"ttft_ms", "tpot_ms", "itl_ms" (a list), "e2el_ms"} for one request.
+
+    ``tpot_ms`` is None for a one-token request (there is no decode gap to average).
+    """
     for times in cases:
         ref = RequestTiming(tuple(times))
-        got = _call(f"request_metrics({list(times)})", fn, list(times))
+        label = f"request_metrics({list(times)})"
+        got = _call(label, fn, list(times))
         if not isinstance(got, Mapping):
             _fail("request_metrics", got, "a dict", "Return a dict with ttft_ms, tpot_ms, itl_ms and e2el_ms.")
-        for key, want, fix in (
+        keys = [
             ("ttft_ms", ref.ttft_ms, "TTFT is the first token's arrival time since the request started."),
-            ("tpot_ms", ref.tpot_ms, "TPOT = (E2EL - TTFT) / (tokens - 1): the first token is not a decode gap."),
             ("e2el_ms", ref.e2el_ms, "E2EL is the last token's arrival time since the request started."),
-        ):
-            _close(f"request_metrics({list(times)})[{key!r}]", got.get(key), want, "ms", fix, reveal)
+        ]
+        if len(times) > 1:
+            fix = "TPOT = (E2EL - TTFT) / (tokens - 1): the first token is not a decode gap."
+            keys.append(("tpot_ms", ref.tpot_ms, fix))
+        elif got.get("tpot_ms") is not None:
+            _fail(f"{label}['tpot_ms']", got.get("tpot_ms"), "None", _ONE_TOKEN_TPOT)
+        for key, want, fix in keys:
+            _close(f"{label}[{key!r}]", got.get(key), want, "ms", fix, reveal)
         itl = got.get("itl_ms")
         fix = "ITL is every gap between consecutive tokens: one fewer than the tokens, in ms."
         if not isinstance(itl, Sequence) or len(itl) != len(ref.itl_ms):
@@ -572,23 +818,31 @@ def check_fit_tpot(
         _close("fit_tpot intercept", got[1], ref.intercept, "ms", fix, reveal, rel=1e-6)
 
 
-# The plausible band for a measured KV slope against bytes / copy bandwidth. Below 1/4 would mean reading the cache
-# at more than 4x the copy bandwidth, which even the last-level cache does not reach (on the course's CPU, in-cache
-# copies ran about 2x DRAM). Above 4 means under a quarter of copy bandwidth, where a decoder whose cache is laid
-# out for streaming does not fall (PERFORMANCE_NOTES: 45% for a plain decoder, about 90% key-major); a slope that
-# steep means extra work per cached token, such as a cache that copies itself.
-SLOPE_BAND = (0.25, 4.0)
+# The band for a measured KV slope over the predicted one (KV bytes / read bandwidth measured at the same thread
+# count), set from what correct code measured on two machines:
+# - the course's 2-core AMD EPYC (Zen 3, 32 MiB L3), one thread, loaded by other jobs (load average 4-7 on 2 cores):
+#   50 quick-mode runs of lesson 03 gave 0.58-3.33 (median 1.51); the spread is load changing between the bandwidth
+#   measurement and the sweep, which cannot run at the same instant; one full-size run gave 1.04;
+# - the learner's 2-core AMD EPYC: 1.72 (lesson 03, one thread, busy) and 1.53 (bench/fidelity.py, two threads),
+#   both against copy bandwidth, within 3% of read there.
+# Idle, a plain decoder reaches about 45% of the bandwidth on the KV term and a key-major layout about 90%
+# (docs/cpu_performance.md): ratios of 1.1-2.2. The band keeps a margin of 1.45x below and 1.2x above the loaded
+# extremes; a loaded machine supports no narrower band. A cache that copies itself every step reads its K/V for
+# attention and reads and writes them again for the copy, at least 3x the bytes: at full size it measured 7.6, well
+# outside. In quick mode (caches that partly fit the 32 MiB L3) the same 50 runs gave it 2.6-14.3, partly inside,
+# which is why lesson 03 grades that case against the preallocated cache (check_ab_slopes), not against the band.
+SLOPE_BAND = (0.4, 4.0)
 
 
 def check_slope_band(predicted_slope_us: float, measured_slope_us: float, sweep: Sweep) -> None:
     """The predicted KV slope (bytes / measured bandwidth), and the measured one within ``SLOPE_BAND`` of it."""
-    want = sweep.batch * sweep.kv_bytes_per_token / (sweep.bandwidth.copy_gbps * 1e9) * 1e6
+    want = sweep.batch * sweep.kv_bytes_per_token / (sweep.bandwidth.read_gbps * 1e9) * 1e6
     _close(
         "predicted_slope_us",
         predicted_slope_us,
         want,
         "µs per token",
-        "KV bytes per token x batch / (measured copy GB/s x 1e9), in microseconds.",
+        "KV bytes per token x batch / (measured read GB/s x 1e9), in microseconds.",
         True,
         rel=1e-6,
     )
@@ -608,7 +862,8 @@ def check_slope_band(predicted_slope_us: float, measured_slope_us: float, sweep:
             "measured / predicted slope",
             round(ratio, 3),
             f"between {low} and {high}",
-            "Re-run the sweep on a quiet machine; if it stays outside, something reads or copies more per token.",
+            "Re-measure the bandwidth and re-run the sweep (other processes' load changes both); if it stays "
+            "outside, something reads or copies more bytes per cached token than attention needs.",
         )
 
 
@@ -675,13 +930,28 @@ def check_concat_cache(
 
 
 # Why 1.5: a cache grown by concatenation reads all its stored K/V and writes a new copy every step, on top of the
-# read that attention does, so it moves about 3x the bytes per cached token; 1.5 leaves a factor 2 for noise.
+# read that attention does, so it moves about 3x the bytes per cached token. Lesson 03 times the two caches
+# interleaved by context (the same load hits both), medians over requests. Measured on the course's 2-core AMD
+# EPYC, one thread, loaded by other jobs: 50 quick-mode runs gave 1.97-11.7 (median 3.5), one full-size run 9.0.
+# A cache that does not copy has a ratio near 1; 1.5 sits between the two.
 AB_MIN_RATIO = 1.5
 
 
-def check_ab_slopes(preallocated: Sweep, concat: Sweep) -> None:
-    """The concatenating cache's slope must be steeper, measured in one process against one bandwidth."""
+def check_ab_slopes(preallocated: Sweep | None, concat: Sweep | None) -> None:
+    """The concatenating cache's slope must be steeper, measured in one process against one bandwidth.
+
+    Depends on lesson 03's exercise 6: the sweeps come from the cell that times ``ConcatKVCache``; ``None`` (the
+    lesson passes ``globals().get(...)``) means that cell has not run.
+    """
     for name, sweep in (("preallocated", preallocated), ("concat", concat)):
+        if sweep is None:
+            _fail(
+                f"{name} sweep",
+                None,
+                "a kvlab.bench.Sweep from the A/B cell",
+                "This check needs exercise 6 (ConcatKVCache.append): make check_concat_cache pass, then run the "
+                "cell that times both caches, then this one.",
+            )
         if not isinstance(sweep, Sweep):
             _fail(name, type(sweep).__name__, "a kvlab.bench.Sweep", "Pass the result of sweep_context.")
     if preallocated.bandwidth is not concat.bandwidth:
@@ -700,5 +970,7 @@ def check_ab_slopes(preallocated: Sweep, concat: Sweep) -> None:
             "concat slope / preallocated slope",
             round(ratio, 2),
             f"at least {AB_MIN_RATIO}",
-            "A cache grown by torch.cat copies itself every step; does your append() concatenate?",
+            "If check_concat_cache passed, your append() computes the right thing, and this is most likely load "
+            "from other processes during the timing: re-run the A/B cell, then this one. If it stays low, check "
+            "that append() builds new tensors with torch.cat (writing into a preallocated buffer copies nothing).",
         )
