@@ -12,9 +12,9 @@ caches put it outermost) so that gathering a sequence's blocks lands directly in
 A block id covers every layer, so one table per sequence serves them all.
 
 Reading: this reference gathers a sequence's blocks into scratch and runs the contiguous cache's kernel on it, so
-paged decode equals contiguous decode up to fp32 rounding (the same kernel, but over tensors of other sizes and
-strides, which a BLAS may block and sum in another order). A fused paged kernel (vLLM's, FlashInfer's) reads the blocks in
-place; the gather is an extra copy that the byte counts leave out and CPU timings pay for.
+paged decode equals contiguous decode up to fp32 rounding (the same kernel, over tensors of other sizes and
+strides, which a BLAS may block and sum in another order). A fused paged kernel (vLLM's, FlashInfer's) reads the
+blocks in place; the gather is an extra copy that the byte counts leave out and CPU timings pay for.
 
 Prefix hits: the cache can only hash blocks whose token ids it knows, and ``Decoder`` hands a cache no token ids.
 ``begin(prompts)`` tells it the prompts; ``feed_tokens`` tells it the tokens of the next steps (the sampled ones)::
