@@ -190,15 +190,17 @@ def _hint(got: float, want: float, reveal: bool, unit: str = "", slips: Slips = 
     """A sentence naming the slip that explains a wrong value, or "" when none does.
 
     ``slips`` pair a value that a checker recomputed with one named mistake (the query heads in place of the KV
-    heads, say) with a sentence naming it; they are tried first, since an exact match is better evidence than a
-    ratio, which can have several causes. Then a factor of 2, and the factors of 1000 that ``unit`` makes likely.
-    Nothing when ``reveal`` is off: a slip's value or a ratio would give the withheld value away.
+    heads, say) with a sentence naming it, the likeliest first; they are tried first, since an exact match is
+    better evidence than a ratio, which can have several causes. Then a factor of 2, and the factors of 1000 that
+    ``unit`` makes likely. Nothing when ``reveal`` is off: a slip's value or a ratio would give the withheld value away.
     """
     if not reveal or not want or not _is_real(got):
         return ""
-    named = [slip for value, slip in slips if math.isclose(got, value, rel_tol=1e-9)]
-    if named:  # two slips can give one value (n_heads = 8 x n_kv_heads, or bits): name each, the likeliest first
-        return " " + " Or: ".join(dict.fromkeys(named))
+    # Two slips can give one value (n_heads = 8 x n_kv_heads, and bits for bytes): name only the likeliest, since
+    # a second, unrelated cause sends a learner who made the first one looking in the wrong place.
+    named = next((slip for value, slip in slips if math.isclose(got, value, rel_tol=1e-9)), None)
+    if named:
+        return " " + named
     for ratio, slip in (*_FACTOR_TWO, *_UNIT_SLIPS.get(unit.split(" ")[0], ())):
         if math.isclose(got / want, ratio, rel_tol=1e-6):
             return " " + slip
@@ -341,6 +343,7 @@ def check_measured_copy(gbps: float, times_s: Sequence[float], n_bytes: int) -> 
     slips = (
         (own / 2, "It counts the bytes once: a copy of n bytes moves 2n."),
         (2 * n_bytes / min(times_s) / 1e9, "It uses the fastest timing: take the median."),
+        (own * 1e3, "It is what your timings give if they are in ms: keep times_s in seconds."),
     )
     _close("my_copy_gbps", gbps, own, "GB/s", "Use copy_gbps(n_bytes, median of your timings).", True, 1e-6, slips)
     ref = measure_bandwidth("cpu", size_mb=n_bytes / 1e6, repeats=5).copy_gbps
@@ -376,7 +379,10 @@ def check_environment_report(report: Mapping[str, Any], bandwidth: Bandwidth) ->
     for key in ("device", "threads", "copy_gbps"):
         if key not in report:
             _fail("report", sorted(report), f"a dict with the key {key!r}", "Add device, threads and copy_gbps.")
-    if str(report["device"]) != bandwidth.device:
+    if not isinstance(report["device"], str):
+        kind = type(report["device"]).__name__
+        _fail("report['device']", report["device"], f"a str, not a {kind}", "Use the string bandwidth.device holds.")
+    if report["device"] != bandwidth.device:
         _fail(
             "report['device']",
             report["device"],
@@ -390,7 +396,7 @@ def check_environment_report(report: Mapping[str, Any], bandwidth: Bandwidth) ->
             "report['copy_gbps']",
             report["copy_gbps"],
             "the measured bandwidth's copy_gbps",
-            "Use the Bandwidth object measured above.",
+            "Use bandwidth.copy_gbps from the measurement in this cell, not a figure from an earlier one.",
         )
 
 
@@ -793,7 +799,12 @@ def check_percentile(
     for values, p in cases:
         label = f"percentile({list(values)}, {p})"
         fix = "Sort; rank = (n - 1) x p / 100; interpolate between the values at floor(rank) and ceil(rank)."
-        _close(label, _call(label, fn, list(values), p), percentile(values, p), "the values' unit", fix, reveal)
+        rank = (len(values) - 1) * p / 100
+        lo, hi = math.floor(rank), math.ceil(rank)
+        unsorted = values[lo] + (values[hi] - values[lo]) * (rank - lo)
+        slips = () if unsorted == percentile(values, p) else ((unsorted, "The values were not sorted first."),)
+        got = _call(label, fn, list(values), p)
+        _close(label, got, percentile(values, p), "the values' unit", fix, reveal, slips=slips)
 
 
 def check_fit_tpot(
@@ -914,6 +925,19 @@ def check_concat_cache(
             f"{5 + n_steps} after a 5-token prefill and {n_steps} steps",
             "reserve() must advance the length by the new tokens.",
         )
+    # Decode attention sums over the stored tokens in any order, so logits alone cannot see tokens stored out of
+    # order (prepended, say); what the cache holds can. Both caches store the same projections of the same tokens,
+    # and later layers' K/V differ only by the two attention kernels' rounding, far inside the tolerance.
+    for layer in range(cfg.n_layers):
+        stored = zip(("keys", "values"), caches["yours"].read(layer), caches["preallocated"].read(layer), strict=True)
+        for name, got, want in stored:
+            if got.shape != want.shape or not torch.allclose(got, want, atol=1e-5, rtol=1e-4):
+                _fail(
+                    f"layer {layer}'s stored {name}",
+                    f"a tensor of shape {tuple(got.shape)} that differs from what was appended, in order",
+                    f"the appended tokens in the order they arrived, shape {tuple(want.shape)}",
+                    "append() must add the new K/V after the stored ones along the token axis, in the stored layout.",
+                )
     mismatched = [
         step
         for step, (a, b) in enumerate(zip(logits["yours"], logits["preallocated"], strict=True))

@@ -308,7 +308,25 @@ def test_concat_cache_that_drops_tokens_fails():
             if self._cache.length <= 5:
                 self._cache.append(layer, k, v)
 
-    assert_fails(checks.check_concat_cache, lambda m, b, c: Forgetful(m.new_cache(b, c)), match="logits")
+    assert_fails(checks.check_concat_cache, lambda m, b, c: Forgetful(m.new_cache(b, c)), match="stored keys")
+
+
+def test_concat_cache_that_stores_tokens_out_of_order_fails():
+    # Decode attention sums over the stored tokens in any order, so a cache that prepends decodes the same logits;
+    # the check must look at what the cache holds.
+    class Reversed:
+        def __init__(self, cache):
+            self._cache = cache
+
+        def __getattr__(self, name):
+            return getattr(self._cache, name)
+
+        def read(self, layer):
+            k, v = self._cache.read(layer)
+            return k.flip(-2), v.flip(-2)
+
+    message = assert_fails(checks.check_concat_cache, lambda m, b, c: Reversed(m.new_cache(b, c)), match="in order")
+    assert "after the stored ones" in message
 
 
 def test_quick_mode_reads_the_environment(monkeypatch):
@@ -348,3 +366,9 @@ def test_setup_lesson_threads(monkeypatch, omp, quick, threads):
         assert torch.get_num_threads() == (before if threads is None else threads)
     finally:
         torch.set_num_threads(before)
+
+
+def test_percentile_of_unsorted_values_names_the_sort():
+    # On [3, 1, 2] the unsorted middle value is half the sorted one: the sort is the cause, not a factor of 2.
+    message = assert_fails(checks.check_percentile, lambda v, p: v[round((len(v) - 1) * p / 100)], match="percentile")
+    assert "not sorted" in message and "factor of 2" not in message
