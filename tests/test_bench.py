@@ -1,6 +1,4 @@
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -8,6 +6,7 @@ import torch
 
 from kvlab import Decoder
 from kvlab.bench import RequestTiming, fit_line, percentile, summarize, sweep_context
+from kvlab.breakdown import breakdown, report
 from kvlab.device import last_level_cache_bytes
 from kvlab.roofline import Bandwidth, bandwidth_buffer_mb
 
@@ -150,13 +149,9 @@ def test_bandwidth_buffer_exceeds_the_last_level_cache_with_a_floor():
 
 
 def test_decode_breakdown_counts_every_weight_and_kv_byte_once():
-    path = Path(__file__).resolve().parents[1] / "bench" / "decode_breakdown.py"
-    spec = importlib.util.spec_from_file_location("decode_breakdown", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     cfg = tiny_config(n_kv_heads=4)  # d_model 64, d_ff 96, vocab 101, 2 layers, head dim 16
     model = Decoder(cfg, device="cpu")
-    result = module.breakdown(model, context=20, repeats=2, clock="thread", buffer_mb=1, warmup=1)
+    result = breakdown(model, context=20, repeats=2, clock="thread", buffer_mb=1, warmup=1)
     # per layer: QKV 64x(64+2*64), O 64x64, gate+up 64x(2*96), down 96x64; then the tied head 101x64; fp32
     layer = (64 * 192 + 64 * 64 + 64 * 192 + 96 * 64) * 4
     assert result["weight_bytes"] == [layer, layer, 101 * 64 * 4]
@@ -167,10 +162,10 @@ def test_decode_breakdown_counts_every_weight_and_kv_byte_once():
     assert len(result["ms"]["matvec"]) == 3
     assert all(len(result["ms"][part]) == 2 for part in ("attention", "scores", "values", "k_stream", "v_stream"))
     assert result["read_gbps"] > 0 and result["copy_gbps"] > 0
-    assert "rest (norms, RoPE, ...)" in "\n".join(module.report(result))
+    assert "rest (norms, RoPE, ...)" in "\n".join(report(result))
     torch.set_num_threads(2)
     try:
         with pytest.raises(ValueError, match="clock: 'thread' counts one thread"):
-            module.breakdown(model, context=20, repeats=1, clock="thread")
+            breakdown(model, context=20, repeats=1, clock="thread")
     finally:
         torch.set_num_threads(1)
