@@ -294,15 +294,19 @@ def test_fixed_overhead_below_half_fails():
     assert_fails(checks.check_fixed_overhead, 0.4 - predicted, 0.4, predicted, 3_000_000, 10.0, match="at least half")
 
 
+class WrappedCache:
+    """The preallocated cache, with one method replaced by a subclass: a learner's cache with one mistake."""
+
+    def __init__(self, cache):
+        self._cache = cache
+
+    def __getattr__(self, name):
+        return getattr(self._cache, name)
+
+
 def test_concat_cache_that_drops_tokens_fails():
-    class Forgetful:
-        """Wraps the preallocated cache but stores nothing after the prefill."""
-
-        def __init__(self, cache):
-            self._cache = cache
-
-        def __getattr__(self, name):
-            return getattr(self._cache, name)
+    class Forgetful(WrappedCache):
+        """Stores nothing after the prefill."""
 
         def append(self, layer, k, v):
             if self._cache.length <= 5:
@@ -314,13 +318,7 @@ def test_concat_cache_that_drops_tokens_fails():
 def test_concat_cache_that_stores_tokens_out_of_order_fails():
     # Decode attention sums over the stored tokens in any order, so a cache that prepends decodes the same logits;
     # the check must look at what the cache holds.
-    class Reversed:
-        def __init__(self, cache):
-            self._cache = cache
-
-        def __getattr__(self, name):
-            return getattr(self._cache, name)
-
+    class Reversed(WrappedCache):
         def read(self, layer):
             k, v = self._cache.read(layer)
             return k.flip(-2), v.flip(-2)
