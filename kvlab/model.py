@@ -20,7 +20,7 @@ from kvlab.cache.base import KVCache
 from kvlab.cache.contiguous import ContiguousKVCache
 from kvlab.config import ModelConfig
 from kvlab.device import resolve_device
-from kvlab.dtypes import canonical_dtype, torch_dtype
+from kvlab.dtypes import KV_DTYPES, canonical_dtype, torch_dtype
 from kvlab.kernels import causal_attention
 
 
@@ -181,7 +181,7 @@ class Decoder(nn.Module):
         """
         cfg = self.cfg
         capacity = cfg.max_seq_len if capacity is None else capacity
-        dtype = canonical_dtype(kv_dtype or cfg.dtype, "kv_dtype")
+        dtype = canonical_dtype(kv_dtype or cfg.dtype, "kv_dtype", KV_DTYPES)
         if cfg.layer_windows is not None and any(w is not None for w in cfg.layer_windows):
             from kvlab.cache.window import WindowKVCache  # imported here: the window cache builds on this module
 
