@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kvlab.bench import RequestTiming, Sweep, fit_line, percentile
+from kvlab.bench import RequestTiming, Sweep, fit_line, percentile, sweep_context
 from kvlab.cache.base import KVCache
 from kvlab.config import ModelConfig
 from kvlab.model import Decoder
@@ -843,6 +843,35 @@ def check_fit_tpot(
 # outside. In quick mode (caches that partly fit the 32 MiB L3) the same 50 runs gave it 2.6-14.3, partly inside,
 # which is why lesson 03 grades that case against the preallocated cache (check_ab_slopes), not against the band.
 SLOPE_BAND = (0.4, 4.0)
+# Where the sweep's own line is this scattered (R² below SLOPE_MIN_R2), its slope says more about the machine's load
+# than about bytes, and the check measures again (a fresh bandwidth probe and sweep, up to SLOPE_REMEASURES times)
+# before it judges. Measured: lesson 03's solution run 30 times in quick mode while two other lessons ran on the
+# same 2 cores failed the band 3 times, each with a scattered line (ratio 4.26 at R² 0.91, 0.19 at R² 0.22, 4.05 at
+# R² 0.79). A cache that really reads more bytes per token gives a clean, steep line and fails at once.
+SLOPE_MIN_R2 = 0.95
+SLOPE_REMEASURES = 3
+
+
+def _remeasured_slope_ratio(sweep: Sweep) -> float | None:
+    """Measured / predicted slope of a fresh sweep like ``sweep`` (its model preset, contexts, batch, requests and
+    tokens, the bandwidth probed again at its buffer size); None when its model is not a preset kvlab can rebuild."""
+    try:
+        cfg = get_model(sweep.model)
+    except ValueError:
+        return None
+    model = Decoder(cfg, device=sweep.device)
+    first = sweep.points[0]
+    again = sweep_context(
+        model,
+        [point.context for point in sweep.points],
+        n_tokens=len(first.requests[0].token_times_s),
+        n_requests=len(first.requests),
+        batch=sweep.batch,
+        fill=sweep.fill,
+        bandwidth=measure_bandwidth(sweep.device, size_mb=sweep.bandwidth.size_mb),
+        progress=False,
+    )
+    return again.fit.slope * 1e3 / again.predicted_slope_us_per_token
 
 
 def check_slope_band(predicted_slope_us: float, measured_slope_us: float, sweep: Sweep) -> None:
@@ -868,14 +897,23 @@ def check_slope_band(predicted_slope_us: float, measured_slope_us: float, sweep:
     )
     low, high = SLOPE_BAND
     ratio = measured_slope_us / predicted_slope_us
-    if not low <= ratio <= high:
-        _fail(
-            "measured / predicted slope",
-            round(ratio, 3),
-            f"between {low} and {high}",
-            "Re-measure the bandwidth and re-run the sweep (other processes' load changes both); if it stays "
-            "outside, something reads or copies more bytes per cached token than attention needs.",
-        )
+    if low <= ratio <= high:
+        return
+    if sweep.fit.r2 < SLOPE_MIN_R2:
+        # A scattered line is the machine's load, not the learner's code (the sweep is kvlab's own): measure again.
+        for _ in range(SLOPE_REMEASURES):
+            again = _remeasured_slope_ratio(sweep)
+            if again is None:
+                break
+            if low <= again <= high:
+                return
+    _fail(
+        "measured / predicted slope",
+        round(ratio, 3),
+        f"between {low} and {high}",
+        "Re-measure the bandwidth and re-run the sweep (other processes' load changes both); if it stays "
+        "outside, something reads or copies more bytes per cached token than attention needs.",
+    )
 
 
 _CROSSOVER_CASES = ((139_006_083_072, 327_680, 1), (17_836_032, 8192, 1), (139_006_083_072, 327_680, 26))

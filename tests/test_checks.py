@@ -9,8 +9,8 @@ import warnings
 import pytest
 import torch
 
-from kvlab import checks, get_model, roofline
-from kvlab.bench import RequestTiming, Sweep, SweepPoint, fit_line, percentile
+from kvlab import Decoder, checks, get_model, roofline
+from kvlab.bench import RequestTiming, Sweep, SweepPoint, fit_line, percentile, sweep_context
 from kvlab.roofline import Bandwidth
 
 
@@ -370,3 +370,45 @@ def test_percentile_of_unsorted_values_names_the_sort():
     # On [3, 1, 2] the unsorted middle value is half the sorted one: the sort is the cause, not a factor of 2.
     message = assert_fails(checks.check_percentile, lambda v, p: v[round((len(v) - 1) * p / 100)], match="percentile")
     assert "not sorted" in message and "factor of 2" not in message
+
+
+def scattered_sweep(slope_ms: float) -> Sweep:
+    """A sweep whose points scatter about a line of ``slope_ms`` (R² well under SLOPE_MIN_R2), as load makes them."""
+    sweep = fake_sweep(slope_ms, BW)
+    for point, bump in zip(sweep.points, (0.0, 3.0, -1.5, 0.0), strict=True):
+        tpot = point.requests[0].tpot_ms + bump
+        point.requests[0] = RequestTiming((tpot / 1e3, 2 * tpot / 1e3))
+    return sweep
+
+
+def test_slope_band_measures_again_before_judging_a_scattered_line(monkeypatch, capsys):
+    sweep = scattered_sweep(PREDICTED_SLOPE_MS * 6)
+    assert sweep.fit.r2 < checks.SLOPE_MIN_R2
+    ratio = sweep.fit.slope * 1e3 / (PREDICTED_SLOPE_MS * 1e3)
+    assert not checks.SLOPE_BAND[0] <= ratio <= checks.SLOPE_BAND[1]
+    calls = []
+    monkeypatch.setattr(checks, "_remeasured_slope_ratio", lambda s: calls.append(s) or 1.2)
+    assert_silent(capsys, checks.check_slope_band, PREDICTED_SLOPE_MS * 1e3, sweep.fit.slope * 1e3, sweep)
+    assert calls == [sweep]
+    # Still outside on every new measurement: it fails, after SLOPE_REMEASURES of them.
+    calls.clear()
+    monkeypatch.setattr(checks, "_remeasured_slope_ratio", lambda s: calls.append(s) or 6.0)
+    assert_fails(checks.check_slope_band, PREDICTED_SLOPE_MS * 1e3, sweep.fit.slope * 1e3, sweep, match="between")
+    assert len(calls) == checks.SLOPE_REMEASURES
+
+
+def test_slope_band_judges_a_clean_line_at_once(monkeypatch):
+    def never(sweep):
+        raise AssertionError("a clean line must not be measured again")
+
+    monkeypatch.setattr(checks, "_remeasured_slope_ratio", never)
+    sweep = fake_sweep(PREDICTED_SLOPE_MS * 3 / 0.45, BW)  # the copy-growth cache: steep and straight
+    assert_fails(checks.check_slope_band, PREDICTED_SLOPE_MS * 1e3, sweep.fit.slope * 1e3, sweep, match="between")
+
+
+def test_remeasured_slope_ratio_sweeps_the_same_preset_again():
+    model = Decoder(get_model("cpu-tiny"), device="cpu")
+    sweep = sweep_context(model, [64, 256], n_tokens=4, n_requests=1, progress=False)
+    ratio = checks._remeasured_slope_ratio(sweep)
+    assert isinstance(ratio, float) and ratio == ratio  # a number; its value is this machine's
+    assert checks._remeasured_slope_ratio(fake_sweep(PREDICTED_SLOPE_MS, BW)) is None  # "fake" is no preset
