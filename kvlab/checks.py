@@ -997,13 +997,23 @@ def check_concat_cache(
 # EPYC, one thread, loaded by other jobs: 50 quick-mode runs gave 1.97-11.7 (median 3.5), one full-size run 9.0.
 # A cache that does not copy has a ratio near 1; 1.5 sits between the two.
 AB_MIN_RATIO = 1.5
+# Measured again (AB_REMEASURES times at most) before failing: lesson 03's solution, run 33 times in quick mode while
+# two other lessons shared the 2 cores, gave ratios down to 1.5, on the threshold.
+AB_REMEASURES = 3
 
 
-def check_ab_slopes(preallocated: Sweep | None, concat: Sweep | None) -> None:
+def check_ab_slopes(
+    preallocated: Sweep | None,
+    concat: Sweep | None,
+    remeasure: Callable[[], tuple[Sweep, Sweep]] | None = None,
+) -> None:
     """The concatenating cache's slope must be steeper, measured in one process against one bandwidth.
 
     Depends on lesson 03's exercise 6: the sweeps come from the cell that times ``ConcatKVCache``; ``None`` (the
-    lesson passes ``globals().get(...)``) means that cell has not run.
+    lesson passes ``globals().get(...)``) means that cell has not run. ``remeasure`` re-runs that cell's
+    measurement with the learner's own cache and returns ``(preallocated, concat)``: where the ratio falls short,
+    the check measures again, up to ``AB_REMEASURES`` times, before it blames the code. A cache that copies nothing
+    stays near 1 however often it is timed.
     """
     for name, sweep in (("preallocated", preallocated), ("concat", concat)):
         if sweep is None:
@@ -1027,6 +1037,11 @@ def check_ab_slopes(preallocated: Sweep | None, concat: Sweep | None) -> None:
     if a != b:
         _fail("concat contexts", b, f"the preallocated sweep's contexts {a}", "Sweep the same contexts.")
     ratio = concat.fit.slope / preallocated.fit.slope
+    for _ in range(AB_REMEASURES if remeasure is not None else 0):
+        if ratio >= AB_MIN_RATIO:
+            break
+        again_preallocated, again_concat = remeasure()
+        ratio = again_concat.fit.slope / again_preallocated.fit.slope
     if not ratio >= AB_MIN_RATIO:
         _fail(
             "concat slope / preallocated slope",

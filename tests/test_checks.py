@@ -412,3 +412,30 @@ def test_remeasured_slope_ratio_sweeps_the_same_preset_again():
     ratio = checks._remeasured_slope_ratio(sweep)
     assert isinstance(ratio, float) and ratio == ratio  # a number; its value is this machine's
     assert checks._remeasured_slope_ratio(fake_sweep(PREDICTED_SLOPE_MS, BW)) is None  # "fake" is no preset
+
+
+def test_ab_measures_again_before_failing_and_fails_a_cache_that_stays_flat(capsys):
+    short = (fake_sweep(1e-3, BW), fake_sweep(1.2e-3, BW))
+    calls = []
+
+    def steep_again():
+        calls.append(1)
+        return fake_sweep(1e-3, BW), fake_sweep(3e-3, BW)
+
+    assert_silent(capsys, checks.check_ab_slopes, *short, remeasure=steep_again)
+    assert len(calls) == 1
+    calls.clear()
+
+    def flat_again():
+        calls.append(1)
+        return short
+
+    assert_fails(checks.check_ab_slopes, *short, remeasure=flat_again, match="at least 1.5")
+    assert len(calls) == checks.AB_REMEASURES
+
+
+def test_ab_does_not_measure_again_when_the_first_timing_shows_it():
+    def never():
+        raise AssertionError("a steep enough first measurement needs no second")
+
+    checks.check_ab_slopes(fake_sweep(1e-3, BW), fake_sweep(3e-3, BW), remeasure=never)
