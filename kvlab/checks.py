@@ -321,6 +321,16 @@ def check_copy_gbps(fn: Callable[[float, float], float], cases=_COPY_CASES, reve
 # The slips it catches sit further out: allocating the destination inside the timed region measured 0.09 to 0.29,
 # timings in ms 1/1000, and one clock started before the loop (cumulative times) 1/3 for 5 repeats, 1/5.5 for 10.
 COPY_BAND = 2.5
+# With one reference measurement, the correct solution failed the band 2 times in 46 quick-mode runs while two other
+# lessons shared the 2 cores (your 22.7 GB/s against kvlab's 9.0; 19.9 against 7.1): kvlab's own timing had met the
+# load. So the reference is measured again before a failure.
+COPY_REMEASURES = 3
+
+
+def _cumulative(times_s: Sequence[float]) -> bool:
+    """Whether timings read one clock started before the loop: each the previous plus one copy (1, 2, 3, ... x)."""
+    first = times_s[0]
+    return first > 0 and all(math.isclose(t / first, i + 1, rel_tol=0.25) for i, t in enumerate(times_s))
 
 
 def check_measured_copy(gbps: float, times_s: Sequence[float], n_bytes: int) -> None:
@@ -346,15 +356,26 @@ def check_measured_copy(gbps: float, times_s: Sequence[float], n_bytes: int) -> 
         (own * 1e3, "It is what your timings give if they are in ms: keep times_s in seconds."),
     )
     _close("my_copy_gbps", gbps, own, "GB/s", "Use copy_gbps(n_bytes, median of your timings).", True, 1e-6, slips)
-    ref = measure_bandwidth("cpu", size_mb=n_bytes / 1e6, repeats=5).copy_gbps
-    if not 1 / COPY_BAND <= gbps / ref <= COPY_BAND:
+    if _cumulative(times_s):
         _fail(
-            "my_copy_gbps",
-            round(gbps, 2),
-            f"within {COPY_BAND}x of kvlab's {ref:.2f} GB/s measured just now",
-            "Time only dst.copy_(src), one copy per timing (allocate outside the timed region, restart the clock "
-            "for each copy), in seconds.",
+            "copy timings",
+            [round(t, 6) for t in times_s],
+            "one copy's time each",
+            "These grow by one copy each, as one clock started before the loop does: restart the clock for each copy.",
         )
+    # kvlab's reference meets the same load as the learner's timings did; a burst during its own timing can put a
+    # correct answer outside the band, so it measures again (COPY_REMEASURES times at most) before judging.
+    for _ in range(1 + COPY_REMEASURES):
+        ref = measure_bandwidth("cpu", size_mb=n_bytes / 1e6, repeats=5).copy_gbps
+        if 1 / COPY_BAND <= gbps / ref <= COPY_BAND:
+            return
+    _fail(
+        "my_copy_gbps",
+        round(gbps, 2),
+        f"within {COPY_BAND}x of kvlab's {ref:.2f} GB/s measured just now",
+        "Time only dst.copy_(src), one copy per timing (allocate outside the timed region, restart the clock "
+        "for each copy), in seconds.",
+    )
 
 
 _STREAM_CASES = ((141.1e9, 3350.0), (9.83e9, 3350.0), (22_029_312, 12.5))
