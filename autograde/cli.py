@@ -112,15 +112,21 @@ def nbgrader(root: Path, *args: str, check: bool = True) -> tuple[int, str]:
     return proc.returncode, "".join(log)
 
 
+def course_config(root: Path):
+    """The course's nbgrader configuration (autograde/nbgrader_config.py), as nbgrader itself would load it."""
+    from traitlets.config.loader import PyFileConfigLoader
+
+    return PyFileConfigLoader("nbgrader_config.py", path=str(root / "autograde")).load_config()
+
+
 @contextlib.contextmanager
 def open_gradebook(root: Path) -> Iterator:
     """nbgrader's gradebook of the course at ``root``; exits if the course has none (opening would create one)."""
     if not (root / "autograde" / "gradebook.db").exists():
         raise SystemExit("autograde: no gradebook yet; run `python -m autograde release` first")
     from nbgrader.api import Gradebook
-    from traitlets.config.loader import PyFileConfigLoader
 
-    config = PyFileConfigLoader("nbgrader_config.py", path=str(root / "autograde")).load_config()
+    config = course_config(root)
     with Gradebook(config.CourseDirectory.db_url, config.CourseDirectory.course_id) as gb:
         yield gb
 
@@ -305,9 +311,8 @@ def cmd_validate(root: Path, args: argparse.Namespace) -> int:
     import nbformat
     from nbconvert.filters import strip_ansi
     from nbgrader.validator import Validator
-    from traitlets.config.loader import PyFileConfigLoader
 
-    config = PyFileConfigLoader("nbgrader_config.py", path=str(root / "autograde")).load_config()
+    config = course_config(root)
     config.Validator.update(invert=args.invert, validate_all=args.all_cells)
     os.environ.update(kernel_env(root))  # the kernel inherits this process's environment
     status = 0
