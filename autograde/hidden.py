@@ -1,4 +1,5 @@
-"""Hidden checks: the public checkers of ``kvlab.checks`` on inputs no lesson shows, with expected values withheld.
+"""Hidden checks: the public checkers (``kvlab.course``, which the lessons import through ``kvlab.checks``) on inputs
+no lesson shows, with expected values withheld.
 
 A hidden test cell calls one of these in one line, for example ``hidden.check_kv_bytes_per_token(fn)``. The inputs
 in ``CASES`` differ from the notebooks' examples (other shapes, dtypes, batches and timings), so a function that
@@ -10,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvlab import checks
 from kvlab.config import MLAConfig, ModelConfig, MoEConfig
+from kvlab.course import lesson00_orientation, lesson01_bytes_per_step, lesson02_roofline, lesson03_measuring_tpot
 from kvlab.published import PublishedDecode
 
 _GQA = ModelConfig(n_layers=6, d_model=384, n_heads=6, n_kv_heads=3, d_ff=1024, vocab_size=5003, name="hidden-gqa")
@@ -135,37 +136,37 @@ CASES: dict[str, tuple] = {
 }
 
 
-def _hidden(name: str) -> Callable[[Callable], None]:
-    checker = getattr(checks, name)
+def _hidden(checker: Callable[..., None]) -> Callable[[Callable], None]:
+    name = checker.__name__
 
     def check(fn: Callable) -> None:
         checker(fn, cases=CASES[name], reveal=False)
 
     check.__name__ = name
-    check.__doc__ = f"``kvlab.checks.{name}`` on the hidden cases, expected values withheld."
+    check.__doc__ = f"``{checker.__module__}.{name}`` on the hidden cases, expected values withheld."
     return check
 
 
-check_quick_mode = _hidden("check_quick_mode")
-check_copy_gbps = _hidden("check_copy_gbps")
-check_stream_ms = _hidden("check_stream_ms")
-check_kv_bytes_per_token = _hidden("check_kv_bytes_per_token")
-check_weight_bytes = _hidden("check_weight_bytes")
-check_tpot_ms = _hidden("check_tpot_ms")
-check_batch_for_tpot = _hidden("check_batch_for_tpot")
-check_error_audit = _hidden("check_error_audit")
-check_decode_attention_flops = _hidden("check_decode_attention_flops")
-check_ridge_intensity = _hidden("check_ridge_intensity")
-check_decode_flops = _hidden("check_decode_flops")
-check_prefill_flops = _hidden("check_prefill_flops")
-check_roofline_time_ms = _hidden("check_roofline_time_ms")
-check_achieved_fraction = _hidden("check_achieved_fraction")
-check_request_metrics = _hidden("check_request_metrics")
-check_percentile = _hidden("check_percentile")
-check_fit_tpot = _hidden("check_fit_tpot")
-check_crossover_context = _hidden("check_crossover_context")
+check_quick_mode = _hidden(lesson00_orientation.check_quick_mode)
+check_copy_gbps = _hidden(lesson00_orientation.check_copy_gbps)
+check_stream_ms = _hidden(lesson00_orientation.check_stream_ms)
+check_kv_bytes_per_token = _hidden(lesson01_bytes_per_step.check_kv_bytes_per_token)
+check_weight_bytes = _hidden(lesson01_bytes_per_step.check_weight_bytes)
+check_tpot_ms = _hidden(lesson01_bytes_per_step.check_tpot_ms)
+check_batch_for_tpot = _hidden(lesson01_bytes_per_step.check_batch_for_tpot)
+check_error_audit = _hidden(lesson01_bytes_per_step.check_error_audit)
+check_decode_attention_flops = _hidden(lesson01_bytes_per_step.check_decode_attention_flops)
+check_ridge_intensity = _hidden(lesson02_roofline.check_ridge_intensity)
+check_decode_flops = _hidden(lesson02_roofline.check_decode_flops)
+check_prefill_flops = _hidden(lesson02_roofline.check_prefill_flops)
+check_roofline_time_ms = _hidden(lesson02_roofline.check_roofline_time_ms)
+check_achieved_fraction = _hidden(lesson02_roofline.check_achieved_fraction)
+check_request_metrics = _hidden(lesson03_measuring_tpot.check_request_metrics)
+check_percentile = _hidden(lesson03_measuring_tpot.check_percentile)
+check_fit_tpot = _hidden(lesson03_measuring_tpot.check_fit_tpot)
+check_crossover_context = _hidden(lesson03_measuring_tpot.check_crossover_context)
 
 
 def check_concat_cache(make_cache: Callable) -> None:
     """The concatenating cache on a one-layer GQA model and a batch of 3, not the public check's shape."""
-    checks.check_concat_cache(make_cache, cfg=_GQA.replace(n_layers=1, max_seq_len=64), batch=3)
+    lesson03_measuring_tpot.check_concat_cache(make_cache, cfg=_GQA.replace(n_layers=1, max_seq_len=64), batch=3)

@@ -1,28 +1,43 @@
-"""kvlab: measure why LLM decoding slows down as the context grows, and what each fix buys."""
+"""kvlab: measure why LLM decoding slows down as the context grows, and what each fix buys.
 
-from kvlab.cache import CacheCapacityError, ContiguousKVCache, KVCache
-from kvlab.config import MLAConfig, ModelConfig
-from kvlab.device import default_device
-from kvlab.hf import from_hf, save_hf, to_hf
-from kvlab.model import Decoder
-from kvlab.presets import get_gpu, get_model, gpu_presets, model_presets
-from kvlab.pretrained import list_pretrained, load_pretrained
+The public names load on first use (PEP 562), so that ``import kvlab.roofline`` or ``kvlab predict`` never pays
+for torch: ``from kvlab import Decoder`` imports the model then, and only then.
+"""
 
-__all__ = [
-    "CacheCapacityError",
-    "ContiguousKVCache",
-    "Decoder",
-    "KVCache",
-    "MLAConfig",
-    "ModelConfig",
-    "default_device",
-    "from_hf",
-    "get_gpu",
-    "get_model",
-    "gpu_presets",
-    "list_pretrained",
-    "load_pretrained",
-    "model_presets",
-    "save_hf",
-    "to_hf",
-]
+from __future__ import annotations
+
+import importlib
+
+# public name -> the module that defines it
+_EXPORTS: dict[str, str] = {
+    "CacheCapacityError": "kvlab.cache.base",
+    "ContiguousKVCache": "kvlab.cache.contiguous",
+    "Decoder": "kvlab.model",
+    "KVCache": "kvlab.cache.base",
+    "MLAConfig": "kvlab.config",
+    "ModelConfig": "kvlab.config",
+    "default_device": "kvlab.device",
+    "from_hf": "kvlab.hf",
+    "get_gpu": "kvlab.presets",
+    "get_model": "kvlab.presets",
+    "gpu_presets": "kvlab.presets",
+    "list_pretrained": "kvlab.pretrained",
+    "load_pretrained": "kvlab.pretrained",
+    "model_presets": "kvlab.presets",
+    "save_hf": "kvlab.hf",
+    "to_hf": "kvlab.hf",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> object:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'kvlab' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -7,27 +7,25 @@ Per request of ``n`` output tokens (vLLM ``benchmarks`` definitions):
 - TPOT = (E2EL - TTFT) / (n - 1): the mean gap after the first token, one number per request.
 
 Timing rules: warm up before measuring (first calls pay for allocation and kernel selection); synchronize the
-device before reading a clock (CUDA events on GPU, where launches are asynchronous); report percentiles, not one
-run, because a shared machine's timings have a long tail.
+device before reading a clock (CUDA events on GPU, where launches are asynchronous: ``kvlab.timing.Stopwatch``
+does both); report percentiles, not one run, because a shared machine's timings have a long tail.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import platform
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from itertools import pairwise
 from pathlib import Path
 
 import torch
 
-from kvlab.cache.base import KVCache
-from kvlab.device import synchronize
+from kvlab.cache.base import CacheFactory, KVCache, default_cache
 from kvlab.model import Decoder
-from kvlab.roofline import Bandwidth, measure_bandwidth, predict_tpot_ms, weight_bytes_read
+from kvlab.roofline import predict_tpot_ms, weight_bytes_read
+from kvlab.timing import Bandwidth, Stopwatch, machine_info, measure_bandwidth
 
 PERCENTILES = (50, 90, 99)
 
@@ -103,37 +101,6 @@ class RequestTiming:
         return (self.e2el_ms - self.ttft_ms) / (n - 1)
 
 
-class _Clock:
-    """Token timestamps: CUDA events on GPU (recorded in stream order, read once at the end), else perf_counter."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.device = device
-        synchronize(device)
-        if self.cuda:
-            self.start = torch.cuda.Event(enable_timing=True)
-            self.start.record()
-            self.marks: list = []
-        else:
-            self.t0 = time.perf_counter()
-            self.marks = []
-
-    def mark(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            synchronize(self.device)
-            self.marks.append(time.perf_counter() - self.t0)
-
-    def times_s(self) -> tuple[float, ...]:
-        if self.cuda:
-            self.marks[-1].synchronize()
-            return tuple(self.start.elapsed_time(e) / 1e3 for e in self.marks)
-        return tuple(self.marks)
-
-
 @torch.inference_mode()
 def time_request(model: Decoder, cache: KVCache, n_tokens: int, prompt: torch.Tensor | None = None) -> RequestTiming:
     """Time one greedy request of ``n_tokens`` output tokens.
@@ -145,7 +112,7 @@ def time_request(model: Decoder, cache: KVCache, n_tokens: int, prompt: torch.Te
     if n_tokens < 1:
         raise ValueError(f"n_tokens: {n_tokens}; allowed: an integer >= 1")
     tokens = torch.zeros(cache.batch_size, dtype=torch.long, device=model.device)
-    clock = _Clock(model.device)
+    clock = Stopwatch(model.device)
     logits = model.prefill(prompt, cache)[:, -1] if prompt is not None else model.decode_step(tokens, cache)
     tokens = logits.argmax(-1)
     clock.mark()
@@ -230,7 +197,7 @@ class Sweep:
             "device": self.device,
             "batch": self.batch,
             "fill": self.fill,
-            "environment": environment(),
+            "environment": machine_info(),
             "bandwidth": asdict(self.bandwidth),
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "weight_bytes_read": self.weight_bytes_read,
@@ -309,7 +276,7 @@ def sweep_context(
     fill: str = "fast",
     warmup_steps: int = 3,
     bandwidth: Bandwidth | None = None,
-    make_cache: Callable[[Decoder, int, int], KVCache] | None = None,
+    make_cache: CacheFactory | None = None,
     progress: bool = True,
 ) -> Sweep:
     """Measure TPOT at each context length, ``n_requests`` requests of ``n_tokens`` tokens each.
@@ -332,7 +299,7 @@ def sweep_context(
         raise ValueError(f"contexts: {contexts}; allowed: one or more positive token counts")
     if n_tokens < 2:
         raise ValueError(f"n_tokens: {n_tokens}; allowed: an integer >= 2 (TPOT needs two tokens)")
-    make_cache = make_cache or (lambda m, b, capacity: m.new_cache(b, capacity))
+    make_cache = make_cache or default_cache
     if bandwidth is None:
         bandwidth = measure_bandwidth(model.device)
     elif model.device.type == "cpu" and bandwidth.threads not in (None, torch.get_num_threads()):
@@ -366,7 +333,7 @@ def sweep_context(
         batch=batch,
         fill=fill,
         bandwidth=bandwidth,
-        kv_bytes_per_token=cache.kv_bytes_per_token,
+        kv_bytes_per_token=cache.bytes_per_token,
         weight_bytes_read=weight_bytes_read(model.cfg, batch=batch),
         points=points,
     )
@@ -382,20 +349,6 @@ def _fill(model: Decoder, cache: KVCache, context: int, fill: str, gen: torch.Ge
     return None
 
 
-def _warm_up(model: Decoder, make_cache, batch: int, steps: int) -> None:
+def _warm_up(model: Decoder, make_cache: CacheFactory, batch: int, steps: int) -> None:
     if steps > 0:
         time_request(model, make_cache(model, batch, steps), steps)
-
-
-def environment() -> dict[str, str | int]:
-    """What a timing depends on, recorded next to it."""
-    env: dict[str, str | int] = {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "processor": platform.processor() or platform.machine(),
-        "threads": torch.get_num_threads(),
-    }
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name()
-    return env

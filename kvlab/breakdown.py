@@ -8,20 +8,20 @@ timed alone. ``rest`` is the whole step minus the matvecs and the attention: nor
 append, the embedding lookup, and Python and dispatch overhead, none of which the byte model counts.
 
 All parts are measured in one process, one repeat of each in turn, and the medians over repeats are reported, so
-a burst of load from elsewhere slows every part alike. ``python bench/decode_breakdown.py`` runs it from the
+a burst of load from elsewhere slows every part alike. ``python benchmarks/decode_breakdown.py`` runs it from the
 command line; lesson 02 runs it on the course's model.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
 from kvlab.model import Decoder
-from kvlab.roofline import bandwidth_buffer_mb, predict_tpot_ms
+from kvlab.roofline import predict_tpot_ms
+from kvlab.timing import bandwidth_buffer_mb, require_clock, time_interleaved
 
 
 def layer_weights(model: Decoder) -> list[list[torch.Tensor]]:
@@ -29,9 +29,6 @@ def layer_weights(model: Decoder) -> list[list[torch.Tensor]]:
     layers = [[b.attn.wqkv, b.attn.wo, b.mlp.w_gate_up, b.mlp.w_down] for b in model.layers]
     head = model.embed.weight.T if model.lm_head is None else model.lm_head
     return [*layers, [head]]
-
-
-CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
 
 
 @torch.inference_mode()
@@ -47,15 +44,13 @@ def breakdown(
     machine does not count; it sees only one thread's work, so it needs ``torch.get_num_threads() == 1``.
     Totals are medians of each repeat's sum, so they cover as long a stretch of time as the whole step does.
     """
-    if clock not in CLOCKS:
-        raise ValueError(f"clock: {clock!r}; allowed: {', '.join(map(repr, CLOCKS))}")
+    require_clock(clock)
     if clock == "thread" and torch.get_num_threads() != 1:
         raise ValueError(f"clock: 'thread' counts one thread, torch uses {torch.get_num_threads()}; allowed: 1")
     if model.device.type != "cpu":
         raise ValueError(
             f"model: on {model.device}; allowed: a model on the CPU (the parts are timed with a host clock)"
         )
-    now = CLOCKS[clock]
     cfg = model.cfg
     if cfg.mla is not None or cfg.layer_windows is not None:
         raise ValueError(f"preset: {cfg.name} has MLA or local layers; allowed: a model with global MHA/GQA layers")
@@ -64,10 +59,11 @@ def breakdown(
     weights = layer_weights(model)
     # Activations of the right width; their values do not change a matvec's time.
     inputs = [[torch.randn(1, w.shape[0]) for w in layer] for layer in weights]
-    q = torch.randn(1, 1, cfg.n_heads, cfg.head_dim)
-    # attention's two products on their own: q·K over the key-major keys, then p·V (see kvlab.kernels)
+    # one new token's queries, grouped by the KV head they share: [B, Hkv, G, T, D] (kvlab.attention.group_queries)
     groups = cfg.n_heads // cfg.n_kv_heads
-    q_grouped = torch.randn(1, cfg.n_kv_heads, groups, cfg.head_dim)
+    q = torch.randn(1, cfg.n_kv_heads, groups, 1, cfg.head_dim)
+    # attention's two products on their own: q·K over the key-major keys, then p·V (see kvlab.kernels)
+    q_grouped = q[:, :, :, 0]
     probs = torch.softmax(torch.randn(1, cfg.n_kv_heads, groups, cache.capacity), dim=-1)
     token = torch.zeros(1, dtype=torch.long)
     src = torch.randn(int((buffer_mb or bandwidth_buffer_mb()) * 1e6 / 4))
@@ -107,14 +103,9 @@ def breakdown(
         "values": [weighted_values(i) for i in range(cfg.n_layers)],
         "v_stream": [one_stream(i, 1) for i in range(cfg.n_layers)],
     }
-    times: dict[str, list[list[float]]] = {name: [[] for _ in fns] for name, fns in parts.items()}
-    for r in range(warmup + repeats):
-        for name, fns in parts.items():
-            for i, fn in enumerate(fns):
-                t0 = now()
-                fn()
-                if r >= warmup:
-                    times[name][i].append((now() - t0) * 1e3)
+    flat = {(name, i): fn for name, fns in parts.items() for i, fn in enumerate(fns)}
+    seconds = time_interleaved(flat, repeats, warmup, model.device, clock)
+    times = {name: [[t * 1e3 for t in seconds[name, i]] for i in range(len(fns))] for name, fns in parts.items()}
     # Repeat r attends over context + r tokens (each step appends one): count the bytes at the median timed repeat.
     kv_context = context + warmup + (repeats - 1) // 2
     kv_layer_bytes = cache.bytes_read_per_step(kv_context) // cfg.n_layers

@@ -4,7 +4,8 @@
     kvlab bench --preset cpu-small --contexts 2k,8k,16k,32k --json out.json --plot out.png
     kvlab models | kvlab gpus
 
-A bad argument prints one line naming it and the allowed values, and exits with status 2.
+A bad argument prints one line naming it and the allowed values, and exits with status 2. Only ``bench`` loads
+torch: ``predict``, ``models`` and ``gpus`` are arithmetic over the presets (``kvlab.roofline``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 from kvlab.config import ModelConfig
 from kvlab.dtypes import BYTES_PER_ELEMENT, KV_DTYPES, canonical_dtype
 from kvlab.presets import get_gpu, get_model, gpu_presets, model_presets, params_verified
+from kvlab.roofline import active_params, kv_bytes_per_token, param_count, predict
 
 TOKENS_PER_K = 1024
 
@@ -121,8 +123,6 @@ def _read_note(cfg: ModelConfig, p) -> str:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    from kvlab.roofline import predict
-
     cfg = _load_config(args)
     context = parse_tokens(args.context)
     batch = _positive_int(args.batch, "--batch")
@@ -240,8 +240,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from kvlab.roofline import active_params, kv_bytes_per_token, param_count
-
     print(
         f"{'name':<16} {'attention':<9} {'layers':>6} {'d_model':>7} {'heads':>5} {'kv':>4} {'params':>9} "
         f"{'active':>8} {'max ctx':>8} {'KV/token bf16':>14}  runnable"

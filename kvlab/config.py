@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvlab.dtypes import BYTES_PER_ELEMENT, TORCH_DTYPES, canonical_dtype
+from kvlab.dtypes import BYTES_PER_ELEMENT, COMPUTE_DTYPES, canonical_dtype
 from kvlab.validation import require_int
 
 RUNNABLE_ROPE_TYPES = ("default", "llama3")
@@ -161,7 +161,7 @@ class ModelConfig:
             object.__setattr__(self, "rope_scaling", tuple(sorted(dict(self.rope_scaling).items())))
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"tie_embeddings: {self.tie_embeddings!r} is not allowed; allowed: True or False")
-        object.__setattr__(self, "dtype", canonical_dtype(self.dtype, "dtype", allowed=tuple(TORCH_DTYPES)))
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype, "dtype", allowed=tuple(COMPUTE_DTYPES)))
         if self.layer_windows is not None:
             windows = tuple(self.layer_windows)
             if len(windows) != self.n_layers:
@@ -302,7 +302,7 @@ class ModelConfig:
             "hidden_act": "silu",
             "attention_bias": False,
             "mlp_bias": False,
-            "torch_dtype": {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[self.dtype],
+            "torch_dtype": COMPUTE_DTYPES[self.dtype],
         }
 
 

@@ -8,7 +8,10 @@ already includes its scales. It is a weight format only; ``KV_DTYPES`` lists wha
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 BYTES_PER_ELEMENT: dict[str, float] = {
     "fp32": 4,
@@ -21,6 +24,11 @@ BYTES_PER_ELEMENT: dict[str, float] = {
 }
 
 KV_DTYPES: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
+
+# Statistics a quantized KV dtype stores per group of elements, each one fp16 (KIVI's layout, as kvlab.cache.codecs
+# stores it): fp8 a scale; int8 and int4 a scale and a zero point. Float KV dtypes are a cast and store none.
+KV_GROUP_STATS: dict[str, int] = {"fp8": 1, "int8": 2, "int4": 2}
+GROUP_STAT_BYTES = 2
 
 ALIASES: dict[str, str] = {
     "float32": "fp32",
@@ -40,24 +48,20 @@ ALIASES: dict[str, str] = {
     "mxfp4_e2m1": "mxfp4",
 }
 
-# Dtypes a Decoder can hold its weights and run in. The others exist only in the byte model
-# (and, for the KV cache, in the codecs).
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-}
+# Dtypes a Decoder can hold its weights and run in, each with torch's name for it. The others exist only in the
+# byte model (and, for the KV cache, in the codecs). Names, not torch.dtype objects: the byte model imports this
+# module and must not load torch.
+COMPUTE_DTYPES: dict[str, str] = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
 def canonical_dtype(name: str | torch.dtype, field: str = "dtype", allowed: tuple[str, ...] | None = None) -> str:
-    """Return the canonical name of a dtype, or raise ``ValueError`` naming ``field`` and the allowed names."""
+    """Return the canonical name of a dtype, or raise ``ValueError`` naming ``field`` and the allowed names.
+
+    ``name`` may be a torch.dtype: its ``str`` (``"torch.bfloat16"``) is read like any other name.
+    """
     allowed = tuple(BYTES_PER_ELEMENT) if allowed is None else allowed
-    if isinstance(name, torch.dtype):
-        by_torch = {v: k for k, v in TORCH_DTYPES.items()}
-        key = by_torch.get(name, str(name))
-    else:
-        key = str(name).strip().lower().removeprefix("torch.")
-        key = ALIASES.get(key, key)
+    key = str(name).strip().lower().removeprefix("torch.")
+    key = ALIASES.get(key, key)
     if key not in allowed:
         raise ValueError(f"{field}: unknown dtype {name!r}; allowed: {', '.join(allowed)}")
     return key
@@ -68,6 +72,8 @@ def bytes_per_element(name: str | torch.dtype, field: str = "dtype", allowed: tu
     return BYTES_PER_ELEMENT[canonical_dtype(name, field, allowed)]
 
 
-def torch_dtype(name: str | torch.dtype, field: str = "dtype") -> torch.dtype:
+def to_torch(name: str | torch.dtype, field: str = "dtype") -> torch.dtype:
     """The torch dtype a model can compute in (fp32, fp16, bf16)."""
-    return TORCH_DTYPES[canonical_dtype(name, field, allowed=tuple(TORCH_DTYPES))]
+    import torch  # here, not at the top: only a caller that already runs torch needs it
+
+    return getattr(torch, COMPUTE_DTYPES[canonical_dtype(name, field, allowed=tuple(COMPUTE_DTYPES))])

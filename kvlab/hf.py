@@ -107,7 +107,7 @@ def to_hf(model: Decoder):
 
     hf = LlamaForCausalLM(LlamaConfig(**model.cfg.to_hf_config()))
     hf.load_state_dict(_kvlab_to_hf(model), strict=not model.cfg.tie_embeddings)
-    return hf.to(device=model.device, dtype=model.dtype).eval()
+    return hf.to(device=model.device, dtype=model.torch_dtype).eval()
 
 
 def save_hf(model: Decoder, folder: str | Path) -> None:

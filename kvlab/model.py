@@ -14,117 +14,31 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from kvlab.attention import Attention
 from kvlab.cache.base import KVCache
 from kvlab.cache.contiguous import ContiguousKVCache
+from kvlab.cache.latent import LatentKVCache
+from kvlab.cache.window import WindowKVCache
 from kvlab.config import ModelConfig
 from kvlab.device import resolve_device
-from kvlab.dtypes import KV_DTYPES, canonical_dtype, torch_dtype
-from kvlab.kernels import causal_attention
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32, as Llama does, so bf16 models keep the same statistics.
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
-
-
-class RotaryEmbedding(nn.Module):
-    """RoPE in the rotate-half convention of Hugging Face's Llama, so its checkpoints load unchanged."""
-
-    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None) -> None:
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        if scaling and scaling.get("rope_type") == "llama3":
-            inv_freq = _llama3_frequencies(inv_freq, scaling)
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions``: ``[T]`` -> ``cos``, ``sin``: ``[T, 1, D]`` (broadcast over heads)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return angles.cos(), angles.sin()
-
-
-def _llama3_frequencies(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
-    """Llama 3.1's long-context RoPE: slow the low frequencies by ``factor``, keep the high ones, blend between.
-
-    Wavelengths longer than the original context / low_freq_factor are stretched; shorter than
-    original / high_freq_factor are untouched; in between, interpolate linearly in original_context / wavelength.
-    """
-    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    original = s["original_max_position_embeddings"]
-    wavelength = 2 * torch.pi / inv_freq
-    blend = ((original / wavelength - low) / (high - low)).clamp(0, 1)
-    return (1 - blend) * inv_freq / factor + blend * inv_freq
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x``: ``[B, T, heads, D]``."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
-
-
-class Attention(nn.Module):
-    """MHA, GQA or MQA, by ``n_kv_heads``. The cache stores K/V and runs the attention kernel for its layout."""
-
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
-        super().__init__()
-        self.layer = layer
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.window = cfg.layer_windows[layer] if cfg.layer_windows else None
-        q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        self.wqkv = nn.Parameter(torch.empty(cfg.d_model, q_dim + 2 * kv_dim))  # [in, q | k | v]
-        self.wo = nn.Parameter(torch.empty(q_dim, cfg.d_model))
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
-        """``x``: ``[B, T, d_model]``. Without a cache, attends causally within ``x`` (training, scoring)."""
-        b, t, _ = x.shape
-        qk_heads = self.n_heads + self.n_kv_heads
-        qkv = (x @ self.wqkv).view(b, t, qk_heads + self.n_kv_heads, self.head_dim)
-        qk = apply_rope(qkv[:, :, :qk_heads], cos, sin)
-        q, k, v = qk[:, :, : self.n_heads], qk[:, :, self.n_heads :], qkv[:, :, qk_heads:]
-        if cache is None:
-            qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            out = causal_attention(qh, kh, vh, q_start=0, window=self.window).transpose(1, 2)
-        else:
-            cache.append(self.layer, k, v)
-            out = cache.attend(self.layer, q)
-        return out.reshape(b, t, -1) @ self.wo
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.w_gate_up = nn.Parameter(torch.empty(cfg.d_model, 2 * cfg.d_ff))  # [in, gate | up]
-        self.w_down = nn.Parameter(torch.empty(cfg.d_ff, cfg.d_model))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = (x @ self.w_gate_up).chunk(2, dim=-1)
-        return (F.silu(gate) * up) @ self.w_down
+from kvlab.dtypes import KV_DTYPES, canonical_dtype, to_torch
+from kvlab.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from kvlab.mla import MLAAttention
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        if cfg.mla is None:
-            self.attn = Attention(cfg, layer)
-        else:
-            from kvlab.mla import MLAAttention  # imported here: kvlab.mla builds on this module's layers
-
-            self.attn = MLAAttention(cfg, layer)
+        self.attn = Attention(cfg, layer) if cfg.mla is None else MLAAttention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = SwiGLU(cfg.d_model, cfg.d_ff)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache)
+    def forward(
+        self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, cos, sin, cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -148,7 +62,7 @@ class Decoder(nn.Module):
         rope_dim = cfg.head_dim if cfg.mla is None else cfg.mla.qk_rope_head_dim  # MLA ropes only that part
         self.rope = RotaryEmbedding(rope_dim, cfg.rope_theta, dict(cfg.rope_scaling or ()))
         self.reset_parameters(seed)
-        self.to(device=resolve_device(device), dtype=torch_dtype(cfg.dtype))
+        self.to(device=resolve_device(device), dtype=to_torch(cfg.dtype))
         # RoPE angles stay fp32 even in a bf16 model: bf16 cannot tell position 300 from 301.
         self.rope.inv_freq = self.rope.inv_freq.float()
         self.eval()
@@ -169,34 +83,30 @@ class Decoder(nn.Module):
         return self.embed.weight.device
 
     @property
-    def dtype(self) -> torch.dtype:
+    def torch_dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
     def new_cache(self, batch_size: int = 1, capacity: int | None = None, kv_dtype: str | None = None) -> KVCache:
-        """A cache for this model; ``capacity`` defaults to ``max_seq_len``.
+        """A cache for this model's own shape; ``capacity`` defaults to ``max_seq_len``.
 
-        Contiguous for global attention; a window cache when some layers are local (they keep only their window);
-        a quantized cache (KIVI grouping, default group size and residual) for ``kv_dtype`` fp8, int8 or int4;
-        the latent cache for MLA.
+        ``kv_dtype`` (default: the model's dtype) is the codec, any of ``kvlab.dtypes.KV_DTYPES``. The storage
+        follows the model: MLA's latent slab for an MLA model; a window cache when some layers are local (they
+        keep only their window, the global ones everything); a contiguous slab otherwise.
         """
         cfg = self.cfg
         capacity = cfg.max_seq_len if capacity is None else capacity
-        dtype = canonical_dtype(kv_dtype or cfg.dtype, "kv_dtype", KV_DTYPES)
-        if cfg.layer_windows is not None and any(w is not None for w in cfg.layer_windows):
-            from kvlab.cache.window import WindowKVCache  # imported here: the window cache builds on this module
-
-            return WindowKVCache.for_model(self, batch_size, capacity, kv_dtype=dtype)
-        if dtype not in ("fp32", "fp16", "bf16"):
-            from kvlab.cache.quantized import QuantizedKVCache  # imported here: codecs are optional machinery
-
-            return QuantizedKVCache.for_model(self, batch_size, capacity, codec=dtype)
+        codec = canonical_dtype(kv_dtype or cfg.dtype, "kv_dtype", KV_DTYPES)
+        local = cfg.layer_windows is not None and any(w is not None for w in cfg.layer_windows)
+        if cfg.mla is not None and local:
+            raise ValueError(
+                f"{cfg.name}: MLA with sliding-window layers has no cache in kvlab; supported: MLA with global "
+                "layers (LatentKVCache), or MHA/GQA/MQA with sliding-window layers (WindowKVCache)"
+            )
         if cfg.mla is not None:
-            from kvlab.mla import LatentKVCache
-
-            return LatentKVCache(cfg.n_layers, batch_size, capacity, cfg.mla, dtype=dtype, device=self.device)
-        return ContiguousKVCache(
-            cfg.n_layers, batch_size, capacity, cfg.n_kv_heads, cfg.head_dim, dtype=dtype, device=self.device
-        )
+            return LatentKVCache.for_model(self, batch_size, capacity, codec=codec)
+        if local:
+            return WindowKVCache.for_model(self, batch_size, capacity, window=cfg.layer_windows, codec=codec)
+        return ContiguousKVCache.for_model(self, batch_size, capacity, codec=codec)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         h = self.norm(h)
@@ -207,10 +117,10 @@ class Decoder(nn.Module):
         start = 0 if cache is None else cache.reserve(tokens.shape[1])
         positions = torch.arange(start, start + tokens.shape[1], device=self.device)
         cos, sin = self.rope(positions)
-        cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+        cos, sin = cos.to(self.torch_dtype), sin.to(self.torch_dtype)
         h = self.embed(tokens)
         for block in self.layers:
-            h = block(h, cos, sin, cache)
+            h = block(h, self.rope, cos, sin, cache)
         return self._logits(h)
 
     def _check_tokens(self, tokens: torch.Tensor, cache: KVCache | None) -> torch.Tensor:

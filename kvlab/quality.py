@@ -6,7 +6,8 @@ Only the first ``prefill_tokens`` of each sequence go in as one prefill (the fas
 one token per step.
 
 A cache factory is ``make_cache(model, batch_size, capacity) -> KVCache``; ``capacity`` is the number of tokens
-the stream will reach. The default, ``full_cache``, is the model's contiguous cache, which keeps every token.
+the stream will reach. The default, ``kvlab.cache.base.default_cache``, is the model's own ``new_cache``, which keeps
+every token.
 """
 
 from __future__ import annotations
@@ -14,28 +15,21 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
-from kvlab.cache.base import KVCache
+from kvlab.cache.base import CacheFactory, KVCache, default_cache
 from kvlab.model import Decoder
 from kvlab.pretrained import heldout_tokens
 from kvlab.tokenizer import ASK, N_PASSKEYS, PASSKEY_BASE, VOCAB_SIZE
 from kvlab.validation import require_int
 
-CacheFactory = Callable[[Decoder, int, int], KVCache]
-
 # The needle is one passkey token planted in the text, the query is ``<|ask|>``, and the answer is that same
 # passkey: recall succeeds only if the passkey's key and value survive in the cache until the question comes.
 CHANCE = 1 / N_PASSKEYS
-
-
-def full_cache(model: Decoder, batch_size: int, capacity: int) -> KVCache:
-    """The default factory: the model's contiguous cache, keeping every token."""
-    return model.new_cache(batch_size, capacity=capacity)
 
 
 @dataclass(frozen=True)
@@ -79,7 +73,7 @@ def perplexity(
     model: Decoder,
     tokens: torch.Tensor | Sequence[int],
     context: int = 512,
-    make_cache: CacheFactory = full_cache,
+    make_cache: CacheFactory = default_cache,
     prefill_tokens: int = 1,
     batch_size: int = 16,
     progress: bool = True,
@@ -157,7 +151,7 @@ def needle_recall(
     contexts: Sequence[int],
     depths: Sequence[float],
     n_trials: int = 20,
-    make_cache: CacheFactory = full_cache,
+    make_cache: CacheFactory = default_cache,
     seed: int = 0,
     filler: torch.Tensor | Sequence[int] | None = None,
     prefill_tokens: int = 1,

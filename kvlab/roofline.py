@@ -1,4 +1,4 @@
-"""The bytes-per-step model of decoding, and the ceilings it is judged against.
+"""The bytes-per-step model of decoding, and the FLOPs beside it: arithmetic only, with no torch import.
 
 A decode step streams every weight it uses once and, for each sequence in the batch, every cached K/V byte once:
 
@@ -16,19 +16,18 @@ Two figures for the weights, on purpose:
 Each part of a checkpoint is counted in the dtype it ships in (``ModelConfig.weight_dtypes``: DeepSeek-V3's FP8,
 gpt-oss's MXFP4 experts), and quantized weights count their group scales (``weight_element_bytes``). The sources of
 every model fact are in ``kvlab/data/reference_presets.md``.
+
+The ceilings these counts are judged against are measured by ``kvlab.timing`` (bandwidth, matmul FLOP/s), or come
+from datasheets (``kvlab.presets``).
 """
 
 from __future__ import annotations
 
-import statistics
-import time
+import math
 from dataclasses import asdict, dataclass
 
-import torch
-
 from kvlab.config import WEIGHT_COMPONENTS, ModelConfig
-from kvlab.device import resolve_device, synchronize
-from kvlab.dtypes import BYTES_PER_ELEMENT, KV_DTYPES, bytes_per_element, canonical_dtype, torch_dtype
+from kvlab.dtypes import BYTES_PER_ELEMENT, GROUP_STAT_BYTES, KV_DTYPES, KV_GROUP_STATS, canonical_dtype
 from kvlab.published import bandwidth_fraction_range, published_decode
 from kvlab.validation import require_int
 
@@ -232,15 +231,16 @@ def kv_elements_per_token_per_layer(cfg: ModelConfig) -> int:
 def kv_element_bytes(kv_dtype: str, group_size: int | None = None) -> float:
     """Bytes per cached element: the payload, plus, with ``group_size``, the scale (and zero point) that each group
     of that many elements shares, as kvlab's codecs store them (KIVI grouping: keys per channel, values per token,
-    one set of statistics per ``group_size`` elements either way). A full-precision residual window is not counted.
+    one set of fp16 statistics per ``group_size`` elements either way; ``KV_GROUP_STATS``). A full-precision
+    residual window is not counted.
     """
-    if group_size is None:
-        return bytes_per_element(kv_dtype, "kv_dtype", KV_DTYPES)
-    require_int("group_size", group_size)
-    from kvlab.cache.codecs import get_codec  # the codecs are the one place that knows the stored layout
-
     key = canonical_dtype(kv_dtype, "kv_dtype", KV_DTYPES)
-    return get_codec(key).stored_bytes((group_size,), 0, group_size) / group_size
+    size = BYTES_PER_ELEMENT[key]
+    if group_size is None:
+        return size
+    require_int("group_size", group_size)
+    payload = math.ceil(group_size * size)  # int4 packs two codes a byte: an odd group's last byte is half used
+    return (payload + KV_GROUP_STATS.get(key, 0) * GROUP_STAT_BYTES) / group_size
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str | None = None, group_size: int | None = None) -> int:
@@ -448,101 +448,113 @@ def predict(
     )
 
 
-# -- measured ceilings --------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Bandwidth:
-    """Measured memory bandwidth in GB/s (1e9 bytes/s): median over repeats, and the best repeat.
+# -- FLOPs --------------------------------------------------------------------------------------------------------
+def decode_attention_flops(n_layers: int, q_width: int, context: int) -> int:
+    """FLOPs (2 per multiply-add) of one new token's attention over ``context`` cached tokens, one sequence:
+    ``4 x n_layers x q_width x context``, where ``q_width`` is query heads x head dim (q.K and p.V, 2 FLOPs per
+    multiply-add each). GQA shares K and V across query heads, not these multiplies."""
+    return 4 * n_layers * q_width * context
 
-    ``read_gbps`` is the ceiling a decode step can reach: it reads weights and K/V and writes almost nothing.
-    ``copy_gbps`` counts each byte of a copy twice (read and write); it is the figure most tools report.
-    ``threads``: torch's CPU threads during the measurement (None when not recorded); a CPU's bandwidth depends
-    on it, so a prediction must use a figure measured with the threads the decode runs with.
+
+def decode_flops(cfg: ModelConfig, context: int, batch: int = 1) -> int:
+    """FLOPs of one decode step: 2 per parameter a token uses, per sequence, plus attention's 4 x context x heads
+    x head dim per layer (``decode_attention_flops``). Dense attention only (MLA: ``mla_attention_flops``).
+
+    The parameters a token uses are ``active_params(cfg)`` at batch 1: all of a dense model's, and for a mixture of
+    experts the dense parts plus the ``top_k`` routed and the shared experts. Each sequence multiplies by its own
+    experts only, so FLOPs scale with batch x per-token parameters, even where the batch as a whole reads more
+    experts' bytes (``active_params(cfg, batch)``). Every parameter counts 2, the untied input table included
+    (lesson 02 says why).
     """
-
-    device: str
-    size_mb: float
-    copy_gbps: float
-    read_gbps: float
-    copy_best_gbps: float
-    read_best_gbps: float
-    threads: int | None = None
+    attention = decode_attention_flops(cfg.n_layers, cfg.n_heads * cfg.head_dim, context)
+    return batch * (2 * active_params(cfg) + attention)
 
 
-BUFFER_FLOOR_MB = 256  # full-size probe when the cache size is unknown
-QUICK_BUFFER_FLOOR_MB = 64
+def prefill_flops(cfg: ModelConfig, n_tokens: int) -> int:
+    """FLOPs of a causal prefill of ``n_tokens`` (one sequence): token t attends over t keys, so attention sums to
+    2 x layers x heads x head dim x T (T + 1), which is of order 2 T^2 d per layer."""
+    attention = 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * n_tokens * (n_tokens + 1)
+    return 2 * active_params(cfg) * n_tokens + attention
 
 
-def bandwidth_buffer_mb(quick: bool = False, llc_bytes: int | None = None) -> float:
-    """A probe buffer (MB, 1e6 bytes) large enough that the bandwidth measured is memory's, not the cache's.
-
-    Full size: ``max(256, 4 x LLC)``. Quick: ``max(64, 2 x LLC)``, still twice the cache. ``llc_bytes`` defaults to
-    what ``kvlab.device.last_level_cache_bytes`` reads; where the machine hides it, the floors apply. A machine
-    with 260 MiB of L3 thus gets 1,091 MB (546 quick), where a 64 MB buffer would sit in its cache.
-    """
-    if llc_bytes is None:
-        from kvlab.device import last_level_cache_bytes  # not at the top: it touches the filesystem only here
-
-        llc_bytes = last_level_cache_bytes()
-    floor, factor = (QUICK_BUFFER_FLOOR_MB, 2) if quick else (BUFFER_FLOOR_MB, 4)
-    return float(max(floor, -(-factor * (llc_bytes or 0) // 10**6)))  # whole MB, rounded up
+def ridge_intensity(peak_flops_per_s: float, bandwidth_gbps: float) -> float:
+    """The roofline's ridge point in FLOPs per byte: where compute time equals memory time,
+    peak FLOP/s / (bandwidth in bytes/s, GB/s = 1e9 bytes/s)."""
+    return peak_flops_per_s / (bandwidth_gbps * 1e9)
 
 
-def _time_repeats(fn, device: torch.device, repeats: int) -> list[float]:
-    """Seconds per call, each call timed on its own (CUDA events on GPU, a monotonic clock on CPU)."""
-    fn()  # warm-up: first touch of fresh pages and kernel selection are not bandwidth
-    synchronize(device)
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return times
+def roofline_time_ms(flops: float, n_bytes: float, peak_flops_per_s: float, bandwidth_gbps: float) -> float:
+    """The roofline's time for a step, in ms: the slower of FLOPs / peak and bytes / bandwidth (not their sum)."""
+    return max(flops / peak_flops_per_s, n_bytes / (bandwidth_gbps * 1e9)) * 1e3
 
 
-def measure_bandwidth(
-    device: str | torch.device | None = None, size_mb: float | None = None, repeats: int = 10
-) -> Bandwidth:
-    """Copy bandwidth (read + write both counted) and read bandwidth (a sum) over a ``size_mb`` fp32 buffer.
-
-    The buffer must be larger than the last-level cache, or the figure measures the cache, not memory: the
-    default, ``bandwidth_buffer_mb()``, sizes it from this machine's cache. On CPU both use torch's current
-    thread count, recorded in ``threads``.
-    """
-    device = resolve_device(device)
-    if size_mb is None:
-        size_mb = bandwidth_buffer_mb() if device.type == "cpu" else BUFFER_FLOOR_MB
-    n = int(size_mb * 1e6 / 4)
-    src = torch.randn(n, device=device)
-    dst = torch.empty_like(src)
-    nbytes = src.numel() * src.element_size()
-    copy = _time_repeats(lambda: dst.copy_(src), device, repeats)
-    read = _time_repeats(lambda: src.sum(), device, repeats)
-    return Bandwidth(
-        device=str(device),
-        size_mb=nbytes / 1e6,
-        copy_gbps=2 * nbytes / statistics.median(copy) / 1e9,
-        read_gbps=nbytes / statistics.median(read) / 1e9,
-        copy_best_gbps=2 * nbytes / min(copy) / 1e9,
-        read_best_gbps=nbytes / min(read) / 1e9,
-        threads=torch.get_num_threads() if device.type == "cpu" else None,
-    )
-
-
-def measure_matmul_flops(
-    device: str | torch.device | None = None, n: int = 1024, dtype: str | None = None, repeats: int = 5
+def batch_for_tpot(
+    target_ms: float, weight_bytes: float, kv_bytes_per_token: float, context: int, bandwidth_gbps: float
 ) -> float:
-    """Dense matmul throughput in FLOP/s for ``n x n`` operands (2 n^3 FLOPs each); bf16 on GPU, fp32 on CPU."""
-    device = resolve_device(device)
-    tdtype = torch_dtype(dtype or ("bf16" if device.type == "cuda" else "fp32"))
-    a = torch.randn(n, n, device=device, dtype=tdtype)
-    b = torch.randn(n, n, device=device, dtype=tdtype)
-    times = _time_repeats(lambda: a @ b, device, repeats)
-    return 2 * n**3 / statistics.median(times)
+    """The batch (sequences) at which the byte model reaches ``target_ms`` per step, with ``weight_bytes`` read once
+    and ``kv_bytes_per_token`` per cached token of each sequence at ``context`` tokens, at ``bandwidth_gbps``
+    (GB/s). Fractional: the model is linear in batch."""
+    return (target_ms / 1e3 * bandwidth_gbps * 1e9 - weight_bytes) / (context * kv_bytes_per_token)
+
+
+def crossover_context(weight_bytes: float, kv_bytes_per_token: float, batch: int = 1) -> float:
+    """Context (tokens, fractional) at which a step's KV bytes for ``batch`` sequences equal its weight bytes."""
+    return weight_bytes / (batch * kv_bytes_per_token)
+
+
+@dataclass(frozen=True)
+class MLAAttentionFlops:
+    """FLOPs (2 per multiply-add) of one layer's attention for one new token over ``context`` tokens, by part.
+
+    Elementwise work (softmax, RoPE, norms) is left out: it is small beside these products.
+    """
+
+    context: int
+    projections: int  # both paths: x -> query and latent (q up-projection too with q_lora_rank), and the output
+    expand: int  # naive: up-project every cached latent to per-head K and V, 2 S r H (n + v)
+    attend_expanded: int  # naive: q.K and p.V over per-head K/V, 2 S H (n + p + v)
+    absorb: int  # absorbed: fold W_uk into the query and apply W_uv to the result, 2 H r (n + v), once per token
+    attend_latent: int  # absorbed: scores against [c_kv | k_rope] and the weighted sum of c_kv, 2 S H (2 r + p)
+
+    @property
+    def naive(self) -> int:
+        return self.projections + self.expand + self.attend_expanded
+
+    @property
+    def absorbed(self) -> int:
+        return self.projections + self.absorb + self.attend_latent
+
+    @property
+    def absorption_extra(self) -> int:
+        """What absorption costs beyond attention over per-head K/V, as MHA with a full cache would compute it."""
+        return self.absorb + self.attend_latent - self.attend_expanded
+
+
+def mla_attention_flops(cfg: ModelConfig, context: int) -> MLAAttentionFlops:
+    """FLOPs of one decode token's attention in one MLA layer, attending over ``context`` tokens, both paths.
+
+    For DeepSeek-V3 (H 128, r 512, p 64, n 128, v 128) each attended token costs 278,528 FLOPs absorbed against
+    81,920 over per-head K/V (3.4x), in exchange for reading 576 cached elements instead of 40,960; the naive path
+    spends 33,554,432 FLOPs per token re-expanding it (at 4,096 tokens: 138.1 GFLOP per layer naive, 1.52 absorbed).
+    In bf16, absorbed attention does about 242 FLOPs per cached byte it reads (MHA: 1), above an H200's datasheet
+    ratio of dense FLOP/s to bandwidth (989e12 / 4.8e12 = 206): on paper that part of the step is bound by compute,
+    not by the bytes it reads.
+    """
+    m = cfg.mla
+    if m is None:
+        raise ValueError(f"cfg: {cfg.name} has no MLA shape; allowed: a config with mla=MLAConfig(...)")
+    if isinstance(context, bool) or not isinstance(context, int) or context <= 0:
+        raise ValueError(f"context: {context!r}; allowed: an integer >= 1 (the new token attends to itself)")
+    h, r, p, n, v = cfg.n_heads, m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim
+    q_in = m.q_lora_rank or h * (n + p)
+    projections = 2 * cfg.d_model * (q_in + r + p) + 2 * h * v * cfg.d_model
+    if m.q_lora_rank is not None:
+        projections += 2 * m.q_lora_rank * h * (n + p)
+    return MLAAttentionFlops(
+        context=context,
+        projections=projections,
+        expand=2 * context * r * h * (n + v),
+        attend_expanded=2 * context * h * (n + p + v),
+        absorb=2 * h * r * (n + v),
+        attend_latent=2 * context * h * (2 * r + p),
+    )

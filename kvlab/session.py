@@ -18,17 +18,14 @@ records it: tokens re-prefilled, K/V bytes written, measured seconds, and the le
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kvlab.cache.base import KVCache
-from kvlab.device import synchronize
+from kvlab.cache.base import CacheFactory, KVCache
 from kvlab.model import Decoder
-
-CacheFactory = Callable[[Decoder, int, int], KVCache]
+from kvlab.timing import time_call
 
 
 @dataclass(frozen=True)
@@ -186,11 +183,7 @@ class ChatSession:
     def _rebuild(self, reason: str, turns_dropped: int, before: list[int]) -> Rebuild:
         after = self.context
         self.cache.reset()
-        synchronize(self.model.device)
-        start = time.perf_counter()
-        self._prefill(after, count=False)
-        synchronize(self.model.device)
-        seconds = time.perf_counter() - start
+        (seconds,) = time_call(lambda: self._prefill(after, count=False), 1, warmup=0, device=self.model.device)
         reusable = next(
             (i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b), min(len(before), len(after))
         )
@@ -200,7 +193,7 @@ class ChatSession:
             context_before=len(before),
             context_after=len(after),
             reusable_prefix=reusable,
-            kv_bytes_written=round(len(after) * self.cache.kv_bytes_per_token),
+            kv_bytes_written=round(len(after) * self.cache.bytes_per_token),
             kv_bytes_saved_per_step=self.cache.bytes_read_per_step(len(before)) - self.cache.bytes_read_per_step(),
             seconds=seconds,
         )

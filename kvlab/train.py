@@ -28,10 +28,8 @@ import datetime
 import json
 import math
 import os
-import platform
 import sys
 import sysconfig
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,6 +43,7 @@ from kvlab.config import ModelConfig
 from kvlab.model import Decoder
 from kvlab.pretrained import HELDOUT_FILE, heldout_tokens
 from kvlab.quality import CHANCE, needle_recall, perplexity
+from kvlab.timing import Stopwatch, machine_info
 from kvlab.tokenizer import ASK, EOT, EOT_TEXT, N_PASSKEYS, VOCAB_SIZE, is_passkey, passkey
 
 # Held out by name, so they stay out of training on every Python version. Present since 3.9 (graphlib) or earlier.
@@ -237,7 +236,7 @@ def _train(cfg: TrainConfig, corpus: torch.Tensor, log: Callable[[str], None] | 
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
     losses: list[float] = []
     answer_losses: list[float] = []
-    start = time.perf_counter()
+    watch = Stopwatch("cpu")
     for step in range(cfg.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
@@ -256,13 +255,13 @@ def _train(cfg: TrainConfig, corpus: torch.Tensor, log: Callable[[str], None] | 
         opt.step()
         losses.append(text_loss.item())
         if log is not None and ((step + 1) % log_every == 0 or step + 1 == cfg.steps):
-            elapsed = time.perf_counter() - start
+            elapsed = watch.elapsed()
             log(
                 f"step {step + 1}/{cfg.steps}  text loss {_mean(losses[-log_every:]):.4f}  "
                 f"answer loss {_mean(answer_losses[-log_every:]):.4f}  lr {lr_at(step, cfg):.2e}  "
                 f"{elapsed:.0f}s  {(step + 1) * batch.numel() / elapsed:.0f} tok/s"
             )
-    wall = time.perf_counter() - start
+    wall = watch.elapsed()
     return TrainResult(model.eval(), losses, answer_losses, wall, cfg.steps * cfg.batch_size * (cfg.seq_len + 1))
 
 
@@ -295,21 +294,6 @@ def evaluate(model: Decoder, context: int, n_trials: int = 40) -> dict:
             for r in needles
         ],
         "needle_trials": n_trials,
-    }
-
-
-def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if "model name" in line]
-        cpu = names[0] if names else cpu
-    return {
-        "cpu": cpu,
-        "logical_cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
     }
 
 
@@ -429,7 +413,7 @@ def main(argv: list[str] | None = None) -> None:
             "load_start": load_start,
             "load_end": load_end,
             "date": datetime.date.today().isoformat(),
-            "machine": machine(),
+            "machine": machine_info(),
             "command": "python -m kvlab.train " + " ".join(argv),
         },
     }

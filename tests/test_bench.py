@@ -7,8 +7,7 @@ import torch
 from kvlab import Decoder
 from kvlab.bench import RequestTiming, fit_line, percentile, summarize, sweep_context
 from kvlab.breakdown import breakdown, report
-from kvlab.device import last_level_cache_bytes
-from kvlab.roofline import Bandwidth, bandwidth_buffer_mb
+from kvlab.timing import Bandwidth
 
 from .helpers import tiny_config
 
@@ -106,46 +105,6 @@ def test_sweep_refuses_a_bandwidth_measured_with_other_threads():
     sweep = sweep_context(model, [8, 16], n_tokens=2, n_requests=1, bandwidth=bw, progress=False)
     point = sweep.points[0]
     assert point.predicted_tpot_ms == pytest.approx(point.bytes_per_step / 12e9 * 1e3, rel=1e-12)
-
-
-def _fake_cache(root, cpu, index, level, kind, size, shared=None):
-    d = root / f"cpu{cpu}" / "cache" / f"index{index}"
-    d.mkdir(parents=True)
-    (d / "level").write_text(f"{level}\n")
-    (d / "type").write_text(f"{kind}\n")
-    (d / "size").write_text(f"{size}\n")
-    if shared is not None:
-        (d / "shared_cpu_list").write_text(f"{shared}\n")
-
-
-def test_last_level_cache_counts_each_shared_instance_once(tmp_path):
-    # two sockets of two CPUs: private 1 MiB L2s, and one 32 MiB L3 per socket shared by its two CPUs
-    for cpu in range(4):
-        _fake_cache(tmp_path, cpu, 0, 1, "Data", "32K", str(cpu))
-        _fake_cache(tmp_path, cpu, 1, 1, "Instruction", "32K", str(cpu))
-        _fake_cache(tmp_path, cpu, 2, 2, "Unified", "1024K", str(cpu))
-        _fake_cache(tmp_path, cpu, 3, 3, "Unified", "32768K", "0-1" if cpu < 2 else "2-3")
-    assert last_level_cache_bytes(tmp_path) == 2 * 32 * 2**20
-
-
-def test_last_level_cache_survives_missing_or_garbled_sysfs(tmp_path, monkeypatch):
-    monkeypatch.setattr("kvlab.device.platform.system", lambda: "Linux")  # no sysctl fallback
-    assert last_level_cache_bytes(tmp_path / "absent") is None
-    _fake_cache(tmp_path, 0, 0, 2, "Unified", "4M")  # no shared_cpu_list: counted once per level
-    _fake_cache(tmp_path, 1, 0, 2, "Unified", "4M")
-    _fake_cache(tmp_path, 0, 1, "three", "Unified", "260M")  # unreadable level: skipped
-    _fake_cache(tmp_path, 1, 1, 3, "Unified", "lots")  # unreadable size: skipped
-    assert last_level_cache_bytes(tmp_path) == 4 * 2**20
-
-
-def test_bandwidth_buffer_exceeds_the_last_level_cache_with_a_floor():
-    mib = 2**20
-    assert bandwidth_buffer_mb(llc_bytes=260 * mib) == 1091  # ceil(4 * 272,629,760 / 1e6)
-    assert bandwidth_buffer_mb(quick=True, llc_bytes=260 * mib) == 546  # ceil(2 * 272,629,760 / 1e6)
-    assert bandwidth_buffer_mb(llc_bytes=32 * mib) == 256  # 134 MB is under the floor
-    assert bandwidth_buffer_mb(quick=True, llc_bytes=32 * mib) == 68  # ceil(2 * 33,554,432 / 1e6)
-    assert bandwidth_buffer_mb(quick=True, llc_bytes=16 * mib) == 64
-    assert bandwidth_buffer_mb(llc_bytes=0) == 256
 
 
 def test_decode_breakdown_counts_every_weight_and_kv_byte_once():

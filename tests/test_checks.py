@@ -1,8 +1,11 @@
-"""kvlab.checks: a right answer passes silently; a wrong one raises AssertionError that says what to fix."""
+"""The lessons' checkers, called through kvlab.checks as the notebooks call them: a right answer passes silently;
+a wrong one raises AssertionError that says what to fix."""
 
 from __future__ import annotations
 
+import ast
 import itertools
+import json
 import math
 import warnings
 
@@ -11,7 +14,15 @@ import torch
 
 from kvlab import Decoder, checks, get_model, roofline
 from kvlab.bench import RequestTiming, Sweep, SweepPoint, fit_line, percentile, sweep_context
-from kvlab.roofline import Bandwidth
+from kvlab.course import (
+    grading,
+    lesson00_orientation,
+    lesson01_bytes_per_step,
+    lesson02_roofline,
+    lesson03_measuring_tpot,
+)
+from kvlab.timing import Bandwidth
+from tests.conftest import LESSONS, REPO
 
 
 def assert_silent(capsys: pytest.CaptureFixture, check, *args, **kwargs) -> None:
@@ -80,8 +91,8 @@ RIGHT_ANSWERS = [
     (checks.check_batch_for_tpot, lambda ms, w, kv, t, gbps: (ms / 1e3 * gbps * 1e9 - w) / (t * kv)),
     (checks.check_decode_attention_flops, lambda layers, d, t: 4 * layers * d * t),
     (checks.check_ridge_intensity, lambda peak, gbps: peak / gbps / 1e9),
-    (checks.check_decode_flops, checks.decode_flops),
-    (checks.check_prefill_flops, checks.prefill_flops),
+    (checks.check_decode_flops, roofline.decode_flops),
+    (checks.check_prefill_flops, roofline.prefill_flops),
     (checks.check_roofline_time_ms, lambda f, n, peak, gbps: max(f / peak, n / gbps / 1e9) * 1e3),
     (checks.check_achieved_fraction, achieved_fraction),
     (checks.check_request_metrics, request_metrics),
@@ -270,11 +281,11 @@ def test_decode_flops_of_a_mixture_of_experts_counts_the_experts_a_token_uses():
     moe = cfg.moe
     # Hand count: every parameter, less the routed experts a token skips in each MoE layer.
     skipped = (moe.n_experts - moe.top_k) * (cfg.n_layers - moe.n_dense_layers) * 3 * cfg.d_model * moe.expert_d_ff
-    assert checks.decode_flops(cfg, 0, 3) == 3 * 2 * (roofline.param_count(cfg) - skipped)
+    assert roofline.decode_flops(cfg, 0, 3) == 3 * 2 * (roofline.param_count(cfg) - skipped)
     assert_fails(
         checks.check_decode_flops,
         lambda c, t, b: (
-            checks.decode_flops(c, t, b)
+            roofline.decode_flops(c, t, b)
             if c.moe is None
             else b * (2 * roofline.param_count(c) + 4 * c.n_layers * c.n_heads * c.head_dim * t)
         ),
@@ -383,25 +394,25 @@ def scattered_sweep(slope_ms: float) -> Sweep:
 
 def test_slope_band_measures_again_before_judging_a_scattered_line(monkeypatch, capsys):
     sweep = scattered_sweep(PREDICTED_SLOPE_MS * 6)
-    assert sweep.fit.r2 < checks.SLOPE_MIN_R2
+    assert sweep.fit.r2 < lesson03_measuring_tpot.SLOPE_MIN_R2
     ratio = sweep.fit.slope * 1e3 / (PREDICTED_SLOPE_MS * 1e3)
     assert not checks.SLOPE_BAND[0] <= ratio <= checks.SLOPE_BAND[1]
     calls = []
-    monkeypatch.setattr(checks, "_remeasured_slope_ratio", lambda s: calls.append(s) or 1.2)
+    monkeypatch.setattr(lesson03_measuring_tpot, "_remeasured_slope_ratio", lambda s: calls.append(s) or 1.2)
     assert_silent(capsys, checks.check_slope_band, PREDICTED_SLOPE_MS * 1e3, sweep.fit.slope * 1e3, sweep)
     assert calls == [sweep]
     # Still outside on every new measurement: it fails, after SLOPE_REMEASURES of them.
     calls.clear()
-    monkeypatch.setattr(checks, "_remeasured_slope_ratio", lambda s: calls.append(s) or 6.0)
+    monkeypatch.setattr(lesson03_measuring_tpot, "_remeasured_slope_ratio", lambda s: calls.append(s) or 6.0)
     assert_fails(checks.check_slope_band, PREDICTED_SLOPE_MS * 1e3, sweep.fit.slope * 1e3, sweep, match="between")
-    assert len(calls) == checks.SLOPE_REMEASURES
+    assert len(calls) == lesson03_measuring_tpot.SLOPE_REMEASURES
 
 
 def test_slope_band_judges_a_clean_line_at_once(monkeypatch):
     def never(sweep):
         raise AssertionError("a clean line must not be measured again")
 
-    monkeypatch.setattr(checks, "_remeasured_slope_ratio", never)
+    monkeypatch.setattr(lesson03_measuring_tpot, "_remeasured_slope_ratio", never)
     sweep = fake_sweep(PREDICTED_SLOPE_MS * 3 / 0.45, BW)  # the copy-growth cache: steep and straight
     assert_fails(checks.check_slope_band, PREDICTED_SLOPE_MS * 1e3, sweep.fit.slope * 1e3, sweep, match="between")
 
@@ -409,9 +420,11 @@ def test_slope_band_judges_a_clean_line_at_once(monkeypatch):
 def test_remeasured_slope_ratio_sweeps_the_same_preset_again():
     model = Decoder(get_model("cpu-tiny"), device="cpu")
     sweep = sweep_context(model, [64, 256], n_tokens=4, n_requests=1, progress=False)
-    ratio = checks._remeasured_slope_ratio(sweep)
+    ratio = lesson03_measuring_tpot._remeasured_slope_ratio(sweep)
     assert isinstance(ratio, float) and ratio == ratio  # a number; its value is this machine's
-    assert checks._remeasured_slope_ratio(fake_sweep(PREDICTED_SLOPE_MS, BW)) is None  # "fake" is no preset
+    assert (
+        lesson03_measuring_tpot._remeasured_slope_ratio(fake_sweep(PREDICTED_SLOPE_MS, BW)) is None
+    )  # "fake" is no preset
 
 
 def test_ab_measures_again_before_failing_and_fails_a_cache_that_stays_flat(capsys):
@@ -431,7 +444,7 @@ def test_ab_measures_again_before_failing_and_fails_a_cache_that_stays_flat(caps
         return short
 
     assert_fails(checks.check_ab_slopes, *short, remeasure=flat_again, match="at least 1.5")
-    assert len(calls) == checks.AB_REMEASURES
+    assert len(calls) == lesson03_measuring_tpot.AB_REMEASURES
 
 
 def test_ab_does_not_measure_again_when_the_first_timing_shows_it():
@@ -439,3 +452,60 @@ def test_ab_does_not_measure_again_when_the_first_timing_shows_it():
         raise AssertionError("a steep enough first measurement needs no second")
 
     checks.check_ab_slopes(fake_sweep(1e-3, BW), fake_sweep(3e-3, BW), remeasure=never)
+
+
+def test_measure_again_stops_at_the_first_accepted_value():
+    def accept(value: float) -> bool:
+        return value < 2
+
+    def measurements(*values: float | None):
+        calls, it = [], iter(values)
+        return calls, lambda: calls.append(1) or next(it)
+
+    calls, measure = measurements()
+    assert grading._measure_again(accept, measure, 3, value=1.0) == 1.0 and calls == []  # accepted: never measured
+    calls, measure = measurements(5.0, 1.5, 9.0)
+    assert grading._measure_again(accept, measure, 3, value=7.0) == 1.5 and len(calls) == 2
+    calls, measure = measurements(5.0, 6.0, 7.0, 8.0)
+    assert grading._measure_again(accept, measure, 3) == 8.0 and len(calls) == 4  # the first, then 3 more
+    calls, measure = measurements(None, 1.0)
+    assert grading._measure_again(accept, measure, 3, value=7.0) is None and len(calls) == 1  # cannot measure again
+
+
+# -- the index the notebooks import ---------------------------------------------------------------------------------
+LESSON_MODULES = dict(
+    zip(
+        LESSONS,
+        (lesson00_orientation, lesson01_bytes_per_step, lesson02_roofline, lesson03_measuring_tpot),
+        strict=True,
+    )
+)
+
+
+def notebook_imports(name: str) -> set[str]:
+    """The names lesson ``name``'s solution imports from kvlab.checks."""
+    nb = json.loads((REPO / "solutions" / name / f"{name}.ipynb").read_text())
+    names = set()
+    for cell in nb["cells"]:
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "code" and "kvlab.checks" in source:
+            for node in ast.walk(ast.parse(source)):
+                if isinstance(node, ast.ImportFrom) and node.module == "kvlab.checks":
+                    names.update(alias.name for alias in node.names)
+    return names
+
+
+def test_index_exports_every_lesson_checker_once():
+    exported = [name for module in LESSON_MODULES.values() for name in module.__all__]
+    assert len(exported) == len(set(exported))
+    assert sorted(checks.__all__) == sorted([*exported, "quick_mode", "setup_lesson"])
+    for module in LESSON_MODULES.values():
+        assert all(getattr(checks, name) is getattr(module, name) for name in module.__all__)
+
+
+@pytest.mark.parametrize("name", LESSONS)
+def test_each_lesson_imports_its_own_module_checkers(name):
+    imported = notebook_imports(name)
+    assert "setup_lesson" in imported and imported <= set(checks.__all__)
+    own = {n for n in LESSON_MODULES[name].__all__ if n.startswith("check_")}
+    assert {n for n in imported if n.startswith("check_")} == own

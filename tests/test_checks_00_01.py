@@ -10,7 +10,8 @@ import pytest
 
 from autograde import hidden
 from kvlab import checks, get_model
-from kvlab.roofline import Bandwidth
+from kvlab.course import grading, lesson00_orientation, lesson01_bytes_per_step
+from kvlab.timing import Bandwidth
 
 
 def fails(check, *args, match: str, **kwargs) -> str:
@@ -80,7 +81,7 @@ def test_quick_mode_message_names_the_case_at_fault():
 # -- rounding: the text says round, and both checks can tell -------------------------------------------------------
 def test_odd_shapes_are_fractional_on_both_sides_of_a_half():
     # 5 layers x 2 x 1 KV head x 62 x 0.5625 = 348.75; with 58, 326.25 (hand-multiplied)
-    assert [cfg.n_layers * kv_elements(cfg) * 0.5625 for cfg in checks._ODD_SHAPES] == [348.75, 326.25]
+    assert [cfg.n_layers * kv_elements(cfg) * 0.5625 for cfg in lesson01_bytes_per_step._ODD_SHAPES] == [348.75, 326.25]
 
 
 ROUNDING_SLIPS = {
@@ -163,8 +164,8 @@ def test_non_finite_answer_is_told_so():
 
 
 def test_helpers_keep_ratio_hints_out_of_hidden_messages():
-    assert checks._hint(2.0, 1.0, reveal=False, unit="ms", slips=((2.0, "named"),)) == ""
-    assert checks._hint(3.0, 1.0, reveal=True, unit="ms") == ""
+    assert grading._hint(2.0, 1.0, reveal=False, unit="ms", slips=((2.0, "named"),)) == ""
+    assert grading._hint(3.0, 1.0, reveal=True, unit="ms") == ""
 
 
 # -- the error audit: a function, re-run on models the lesson does not show --------------------------------------
@@ -174,7 +175,7 @@ def test_error_audit_right_answer_passes_public_and_hidden():
 
 
 def test_error_audit_pasted_numbers_fail_the_hidden_check():
-    public = {(cfg.name, context): audit(cfg, context) for cfg, context in checks._audit_models()}
+    public = {(cfg.name, context): audit(cfg, context) for cfg, context in lesson01_bytes_per_step._audit_models()}
 
     def pasted(cfg, context):
         return public.get((cfg.name, context), public["llama-3.1-70b", 32_768])
@@ -215,8 +216,8 @@ N_BYTES = 10**9  # above any floor: bandwidth_buffer_mb is replaced below
 @pytest.fixture
 def kvlab_copy_10gbps(monkeypatch):
     bw = Bandwidth("cpu", N_BYTES / 1e6, copy_gbps=10.0, read_gbps=10.0, copy_best_gbps=10.0, read_best_gbps=10.0)
-    monkeypatch.setattr(checks, "measure_bandwidth", lambda *args, **kwargs: bw)
-    monkeypatch.setattr(checks, "bandwidth_buffer_mb", lambda quick: 500.0)
+    monkeypatch.setattr(lesson00_orientation, "measure_bandwidth", lambda *args, **kwargs: bw)
+    monkeypatch.setattr(lesson00_orientation, "bandwidth_buffer_mb", lambda quick: 500.0)
 
 
 def timings_at(gbps: float, n: int = 10) -> list[float]:
@@ -283,9 +284,11 @@ def test_measured_copy_timings_in_ms_named(kvlab_copy_10gbps):
 def test_measured_copy_measures_kvlab_again_before_failing(monkeypatch):
     # The first reference met a burst of load (3 GB/s); the next one is the machine's 10 GB/s.
     refs = iter([3.0, 10.0])
-    monkeypatch.setattr(checks, "bandwidth_buffer_mb", lambda quick: 500.0)
+    monkeypatch.setattr(lesson00_orientation, "bandwidth_buffer_mb", lambda quick: 500.0)
     monkeypatch.setattr(
-        checks, "measure_bandwidth", lambda *a, **k: Bandwidth("cpu", N_BYTES / 1e6, next(refs), 10.0, 10.0, 10.0)
+        lesson00_orientation,
+        "measure_bandwidth",
+        lambda *a, **k: Bandwidth("cpu", N_BYTES / 1e6, next(refs), 10.0, 10.0, 10.0),
     )
     checks.check_measured_copy(10.0, timings_at(10.0), N_BYTES)
 
@@ -295,7 +298,7 @@ def test_measured_copy_fails_when_every_reference_disagrees(kvlab_copy_10gbps):
 
 
 def test_cumulative_timings_are_told_apart_from_steady_ones():
-    assert checks._cumulative([0.01, 0.02, 0.03, 0.04, 0.05])
-    assert checks._cumulative([0.01, 0.021, 0.029, 0.041, 0.05])  # one clock, a little noise
-    assert not checks._cumulative([0.01, 0.011, 0.0095, 0.012, 0.01])
-    assert not checks._cumulative([0.01, 0.02, 0.02, 0.02, 0.02])  # one slow copy among steady ones
+    assert lesson00_orientation._cumulative([0.01, 0.02, 0.03, 0.04, 0.05])
+    assert lesson00_orientation._cumulative([0.01, 0.021, 0.029, 0.041, 0.05])  # one clock, a little noise
+    assert not lesson00_orientation._cumulative([0.01, 0.011, 0.0095, 0.012, 0.01])
+    assert not lesson00_orientation._cumulative([0.01, 0.02, 0.02, 0.02, 0.02])  # one slow copy among steady ones

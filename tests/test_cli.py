@@ -100,6 +100,19 @@ def test_predict_weight_group_size_and_input_embedding(capsys):
     assert bf16["weight_bytes_read"] - rows["weight_bytes_read"] == (128256 - 1) * 4096 * 2
 
 
+def test_predict_loads_no_torch():
+    """``kvlab predict`` is arithmetic: a fresh process answers it, group scales included, without importing torch."""
+    argv = ["predict", "--model", "deepseek-v3", "--gpu", "h200-sxm", "--context", "32k", "--kv-dtype", "int4"]
+    code = (
+        "import sys; from kvlab.cli import main; "
+        f"assert main({argv + ['--group-size', '32', '--json']!r}) == 0; "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["group_size"] == 32
+
+
 def test_predict_reads_a_hugging_face_config(tmp_path, capsys):
     from kvlab import get_model
 

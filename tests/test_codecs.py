@@ -7,6 +7,7 @@ import torch
 from torch.testing import assert_close
 
 from kvlab import ContiguousKVCache, Decoder
+from kvlab.cache.base import CacheShape
 from kvlab.cache.codecs import CODECS, get_codec, pack_int4, unpack_int4
 from kvlab.cache.quantized import QuantizedKVCache, codec_error, folded_value_product, int8_key_scores
 
@@ -124,9 +125,17 @@ def _filled(caches: list, steps: list[int], seed: int = 0, n_layers: int = 2) ->
                 cache.append(layer, kv[2 * layer], kv[2 * layer + 1])
 
 
-def _cache(**kw) -> QuantizedKVCache:
-    args = dict(n_layers=2, batch_size=2, capacity=96, n_kv_heads=2, head_dim=16, group_size=8, residual=5)
-    return QuantizedKVCache(**(args | kw))
+SHAPE = CacheShape(n_layers=2, n_kv_heads=2, head_dim=16)
+
+
+def _cache(shape: CacheShape = SHAPE, **kw) -> QuantizedKVCache:
+    args = dict(batch_size=2, capacity=96, group_size=8, residual=5)
+    return QuantizedKVCache(shape, **(args | kw))
+
+
+def _queries(t: int, seed: int) -> torch.Tensor:
+    """Grouped, scaled queries for ``_cache``: ``[B=2, Hkv=2, G=2, T, D=16]`` times 1/sqrt(16)."""
+    return _randn(2, 2, 2, t, 16, seed=seed) / 4
 
 
 @pytest.mark.parametrize("codec", ["int8", "int4", "fp8"])
@@ -136,7 +145,7 @@ def test_chunked_equals_naive(codec, key_quant, chunk_size):
     kw = dict(codec=codec, key_quant=key_quant, chunk_size=chunk_size)
     chunked, naive = _cache(attention="chunked", **kw), _cache(attention="naive", **kw)
     _filled([chunked, naive], [41, 1, 1, 3, 1, 1, 1, 1, 1, 1])  # 51 tokens: 40 quantized, 11 in the residual
-    q1, q3 = _randn(2, 1, 4, 16, seed=7), _randn(2, 3, 4, 16, seed=8)
+    q1, q3 = _queries(1, seed=7), _queries(3, seed=8)
     # The same dequantized values, but an online softmax over chunks vs one softmax: outputs (|x| < 1) to rounding.
     assert_close(chunked.attend(1, q1), naive.attend(1, q1), rtol=1e-5, atol=1e-6)
     for cache in (chunked, naive):  # a step of 3 new tokens: causal within the step
@@ -177,7 +186,7 @@ def test_int_dot_is_close_to_chunked_and_about_as_accurate():
     int_dot, chunked = _cache(attention="int-dot", **kw), _cache(attention="chunked", **kw)
     exact = _cache(capacity=300, residual=300)
     _filled([int_dot, chunked, exact], [250, 1, 1])
-    q = _randn(2, 1, 4, 16, seed=11)
+    q = _queries(1, seed=11)
     ref = exact.attend(1, q)
     out_int, out_chunked = int_dot.attend(1, q), chunked.attend(1, q)
     assert_close(out_int, out_chunked, rtol=0, atol=2e-2)
@@ -196,7 +205,7 @@ def reference():
     """A tiny model, 40 tokens, and its logits with the contiguous fp32 cache."""
     model = Decoder(tiny_config(), device="cpu")
     tokens = torch.randint(0, 101, (2, 40), generator=torch.Generator().manual_seed(12))
-    return model, tokens, _decoder_logits(model, ContiguousKVCache(2, 2, 64, 2, 16), tokens)
+    return model, tokens, _decoder_logits(model, ContiguousKVCache.for_model(model, 2, 64), tokens)
 
 
 @pytest.mark.parametrize(
@@ -212,7 +221,7 @@ def reference():
 )
 def test_lossless_configurations_match_the_contiguous_cache(reference, kw):
     model, tokens, expected = reference
-    got = _decoder_logits(model, QuantizedKVCache(2, 2, 64, 2, 16, group_size=8, chunk_size=16, **kw), tokens)
+    got = _decoder_logits(model, QuantizedKVCache.for_model(model, 2, 64, group_size=8, chunk_size=16, **kw), tokens)
     # Equal up to fp32 rounding: online softmax divides by the sum once at the end, softmax before p @ v.
     assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
@@ -220,7 +229,9 @@ def test_lossless_configurations_match_the_contiguous_cache(reference, kw):
 def test_a_lossy_cache_does_change_the_logits(reference):
     """The control for the test above: int4 over most of the context moves the logits well past its tolerance."""
     model, tokens, expected = reference
-    got = _decoder_logits(model, QuantizedKVCache(2, 2, 64, 2, 16, codec="int4", group_size=8, residual=0), tokens)
+    got = _decoder_logits(
+        model, QuantizedKVCache.for_model(model, 2, 64, codec="int4", group_size=8, residual=0), tokens
+    )
     assert (got - expected).abs().max() > 1e-4
 
 
@@ -241,7 +252,7 @@ def test_read_returns_residual_tokens_exactly_and_quantized_ones_within_half_a_s
 @pytest.mark.parametrize("attention", ["chunked", "naive"])
 def test_bytes_match_a_hand_count(codec, payload_bytes, n_stats, attention):
     L, B, H, D, G, R = 2, 2, 3, 10, 4, 7  # noqa: N806 - the course's symbols. D=10: value groups of 4, 4, 2
-    cache = QuantizedKVCache(L, B, 100, H, D, codec=codec, group_size=G, residual=R, attention=attention)
+    cache = QuantizedKVCache(CacheShape(L, H, D), B, 100, codec=codec, group_size=G, residual=R, attention=attention)
     _filled([cache], [41, *[1] * 9], n_layers=L)  # 50 tokens: (50 - 7) // 4 * 4 = 40 quantized, 10 residual
 
     def quantized(n: int) -> float:  # n tokens, K and V, all layers and sequences
@@ -261,14 +272,29 @@ def test_bytes_match_a_hand_count(codec, payload_bytes, n_stats, attention):
     assert cache.bytes_written_per_step() == quantized(44) - quantized(40) + residual_token
     _filled([cache], [1], n_layers=L)
     assert cache.bytes_written_per_step() == residual_token  # token 52: no group completes
-    assert cache.kv_bytes_per_token == pytest.approx(quantized(G) / G / B)
+    assert cache.bytes_per_token == pytest.approx(quantized(G) / G / B)
 
 
 def test_a_residual_covering_the_capacity_stores_everything_at_full_precision():
     cache = _cache(residual=96, codec="int4")
     _filled([cache], [50])
     assert cache.bytes_stored() == 2 * 2 * 2 * 2 * 50 * 16 * 4  # K and V, 2 layers, 2 sequences, 2 heads, fp32
-    assert cache.bytes_stored() == ContiguousKVCache(2, 2, 96, 2, 16).bytes_read_per_step(50)
+    assert cache.bytes_stored() == ContiguousKVCache(SHAPE, 2, 96).bytes_read_per_step(50)
+
+
+def test_the_residual_keeps_k_and_v_in_the_dtype_they_arrive_in():
+    cache = _cache(shape=CacheShape(2, 2, 16, dtype="bf16"), residual=96, codec="int4")
+    assert cache.torch_dtype == torch.bfloat16
+    _filled([cache], [50])  # fp32 input, stored as bf16, as a bf16 model would hand it over
+    assert cache.read(0)[0].dtype == torch.float32  # read dequantizes to fp32, the residual included
+    assert cache.bytes_stored() == 2 * 2 * 2 * 2 * 50 * 16 * 2  # K and V, 2 layers, 2 sequences, 2 heads, bf16
+
+
+def test_a_sliding_window_is_refused():
+    cache = _cache()
+    _filled([cache], [3])
+    with pytest.raises(ValueError, match="^window: 2 .*QuantizedKVCache"):
+        cache.attend(0, _queries(1, seed=0), window=2)
 
 
 # -- arguments -----------------------------------------------------------------------------------------------------
@@ -284,8 +310,9 @@ def test_a_residual_covering_the_capacity_stores_everything_at_full_precision():
         (dict(key_quant="per-head"), r"key_quant: .*'per-head'.*allowed: per-channel, per-token"),
         (dict(attention="int-dot"), r"attention: 'int-dot' needs codec='int8' and key_quant='per-token'"),
         (dict(attention="int-dot", codec="int4", key_quant="per-token"), r"attention: 'int-dot' needs codec='int8'"),
-        (dict(residual_dtype="int8"), r"residual_dtype: .*'int8'.*allowed: fp32, fp16, bf16"),
         (dict(capacity=0), r"capacity: 0 .*allowed: an integer >= 1"),
+        (dict(capacity=None), r"capacity: None .*allowed: an integer >= 1"),
+        (dict(shape=CacheShape(2, 1, 40, latent_values=32)), r"shape: an MLA latent .*allowed: per-head K/V"),
     ],
 )
 def test_bad_cache_arguments_name_the_argument_and_the_allowed_values(kw, match):

@@ -1,9 +1,12 @@
 import json
+import subprocess
+import sys
 
 import pytest
 
 from kvlab import ModelConfig, get_model, model_presets
 from kvlab.config import MoEConfig
+from kvlab.dtypes import canonical_dtype, to_torch
 from kvlab.presets import get_gpu
 
 from .helpers import tiny_config
@@ -47,6 +50,20 @@ def test_defaults_derive_head_dim_kv_heads_and_mlp_width():
 def test_dtype_aliases_are_canonicalised():
     assert tiny_config(dtype="bfloat16").dtype == "bf16"
     assert tiny_config(dtype="float32").dtype == "fp32"
+
+
+def test_torch_dtypes_are_read_by_name_and_made_on_demand():
+    import torch
+
+    for name, torch_dtype in (("fp32", torch.float32), ("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        assert canonical_dtype(torch_dtype) == name
+        assert to_torch(name) is torch_dtype
+    assert tiny_config(dtype=torch.bfloat16).dtype == "bf16"
+    assert canonical_dtype(torch.float8_e4m3fn) == "fp8"
+    with pytest.raises(ValueError, match="^dtype: unknown dtype torch.float64; allowed: fp32, fp16, bf16"):
+        to_torch(torch.float64)
+    with pytest.raises(ValueError, match="^dtype: unknown dtype 'int8'; allowed: fp32, fp16, bf16"):
+        to_torch("int8")
 
 
 def test_course_presets_have_the_documented_shapes():
@@ -172,3 +189,18 @@ def _reference_path():
     from importlib import resources
 
     return resources.files("kvlab.data").joinpath("reference_presets.json")
+
+
+def test_the_package_loads_its_public_names_on_first_use():
+    code = (
+        "import sys, kvlab; assert 'torch' not in sys.modules; "
+        "from kvlab import ModelConfig, get_model; assert 'torch' not in sys.modules; "
+        "from kvlab import Decoder; assert 'torch' in sys.modules and Decoder.__module__ == 'kvlab.model'; "
+        "assert all(getattr(kvlab, name) is not None for name in kvlab.__all__)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    import kvlab
+
+    with pytest.raises(AttributeError, match="no attribute 'Decodr'"):
+        _ = kvlab.Decodr

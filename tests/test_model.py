@@ -3,6 +3,7 @@ import torch
 from torch.testing import assert_close
 
 from kvlab import CacheCapacityError, ContiguousKVCache, Decoder
+from kvlab.cache import CacheShape
 
 from .helpers import assert_greedy_picks, tiny_config
 
@@ -93,9 +94,9 @@ def test_going_past_capacity_raises_and_leaves_the_cache_unchanged():
 
 
 def test_cache_reports_its_bytes():
-    cache = ContiguousKVCache(n_layers=3, batch_size=2, capacity=10, n_kv_heads=2, head_dim=8, dtype="bf16")
+    cache = ContiguousKVCache(CacheShape(n_layers=3, n_kv_heads=2, head_dim=8, dtype="bf16"), 2, 10)
     per_token = 2 * 3 * 2 * 8 * 2  # K and V, layers, KV heads, head dim, bytes
-    assert cache.kv_bytes_per_token == per_token
+    assert cache.bytes_per_token == per_token
     cache.fast_fill(4)
     assert cache.length == 4
     assert cache.bytes_stored() == 2 * 4 * per_token

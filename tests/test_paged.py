@@ -1,16 +1,17 @@
-"""Paged KV storage: equality with the contiguous cache, copy-on-write, prefix caching, LRU reuse, exhaustion,
-preemption, cascade attention and byte accounting."""
+"""Paged KV storage: equality with the contiguous cache (for every codec), copy-on-write, prefix caching, LRU reuse,
+exhaustion, preemption, cascade attention, sliding windows and byte accounting."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvlab.cache.base import CacheCapacityError
-from kvlab.cache.block_pool import BlockPool, PoolExhaustedError
-from kvlab.cache.cascade import cascade_decode_attention, shared_prefix_blocks
+from kvlab.cache.base import CacheCapacityError, CacheShape
+from kvlab.cache.block_pool import BlockPool, PoolExhaustedError, shared_prefix_blocks
+from kvlab.cache.codecs import get_codec
+from kvlab.cache.contiguous import ContiguousKVCache
 from kvlab.cache.paged import PagedKVCache
-from kvlab.kernels import decode_attention
+from kvlab.kernels import cascade_decode_attention, decode_attention
 from kvlab.model import Decoder
 
 from .helpers import tiny_config
@@ -22,6 +23,11 @@ EXACT = dict(rtol=0, atol=0)
 # SDPA kernel may block its reductions differently for each, so logits (|x| < 1 here) differ by a few fp32 ulps
 # (1.2e-7 seen on an AVX2 EPYC). A wrong block, position or mask moves them by 1e-3 or more.
 LAYOUT_TOL = dict(rtol=1e-5, atol=1e-6)
+# Two kernels on the same decoded K/V (a gathered copy with decode_attention's softmax vs a slab with online
+# softmax's exp(scores - lse), or vs SDPA): outputs (|x| < 4 here) differ by a few fp32 ulps; a wrong block, slot,
+# window or encoding moves them by 1e-2 or more.
+KERNEL_TOL = dict(rtol=1e-5, atol=1e-5)
+SHAPE = CacheShape(n_layers=2, n_kv_heads=2, head_dim=16)
 
 
 @pytest.fixture(scope="module", params=[4, 2], ids=["MHA", "GQA"])
@@ -39,6 +45,22 @@ def tokens(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 13, shape, generator=torch.Generator().manual_seed(seed))
 
 
+def queries(gen: torch.Generator, batch: int, n: int) -> torch.Tensor:
+    """``[B, Hkv, G=2, T, D]`` grouped queries for ``SHAPE``, scaled as the attention module scales them."""
+    return torch.randn(batch, SHAPE.n_kv_heads, 2, n, SHAPE.head_dim, generator=gen) * SHAPE.head_dim**-0.5
+
+
+def feed(caches: list, gen: torch.Generator, batch: int, n: int, transforms: list | None = None) -> None:
+    """One step of ``n`` new tokens with the same random K/V (``[B, T, Hkv, D]``, standard normal) into every cache;
+    ``transforms[i]`` maps them on their way into ``caches[i]``."""
+    for cache in caches:
+        cache.reserve(n)
+    for layer in range(SHAPE.n_layers):
+        k, v = (torch.randn(batch, n, SHAPE.n_kv_heads, SHAPE.head_dim, generator=gen) for _ in range(2))
+        for cache, transform in zip(caches, transforms or [lambda x: x] * len(caches), strict=True):
+            cache.append(layer, transform(k), transform(v))
+
+
 def pool_state(pool: BlockPool) -> tuple:
     return (
         {s: (pool.block_table(s), pool.length(s)) for s in pool.sequences()},
@@ -52,7 +74,7 @@ def pool_state(pool: BlockPool) -> tuple:
 @pytest.mark.parametrize("block_size", [1, 4, 11])  # the run ends at 33 tokens: 11 divides it, 4 does not
 def test_paged_decode_equals_contiguous(model: Decoder, block_size: int) -> None:
     prompt = tokens(2, 13)
-    contiguous = model.new_cache(batch_size=2, capacity=64)
+    contiguous = ContiguousKVCache.for_model(model, batch_size=2, capacity=64)
     paged = PagedKVCache.for_model(model, n_blocks=80, block_size=block_size, batch_size=2)
     expected = model.prefill(prompt, contiguous)
     torch.testing.assert_close(model.prefill(prompt, paged), expected, **LAYOUT_TOL)
@@ -108,7 +130,7 @@ def test_cache_fork_keeps_the_parents_kv_and_matches_contiguous(gqa: Decoder) ->
     torch.testing.assert_close(v[:, :, :6], parent_v.expand(2, -1, -1, -1), **EXACT)
     assert not torch.equal(k[0, :, 6], k[1, :, 6])  # different tokens were written into the two copies
 
-    contiguous = gqa.new_cache(batch_size=2, capacity=16)
+    contiguous = ContiguousKVCache.for_model(gqa, batch_size=2, capacity=16)
     gqa.prefill(prompt.expand(2, -1), contiguous)
     torch.testing.assert_close(logits, gqa.decode_step(next_tokens, contiguous), **LAYOUT_TOL)
 
@@ -133,11 +155,11 @@ def test_prefix_hit_reuses_blocks_kv_and_gives_the_remainders_logits(gqa: Decode
     remainder = gqa.prefill(second[:, n_cached:], paged)
 
     # The same split on a contiguous cache: the same operations, but SDPA reads K/V through other strides.
-    contiguous = gqa.new_cache(capacity=32)
+    contiguous = ContiguousKVCache.for_model(gqa, capacity=32)
     gqa.prefill(second[:, :n_cached], contiguous)
     torch.testing.assert_close(remainder, gqa.prefill(second[:, n_cached:], contiguous), **LAYOUT_TOL)
     # A full prefill runs SDPA's is_causal path instead of the masked one, and its matmuls see 13 rows, not 5.
-    fresh = gqa.new_cache(capacity=32)
+    fresh = ContiguousKVCache.for_model(gqa, capacity=32)
     torch.testing.assert_close(remainder, gqa.prefill(second, fresh)[:, n_cached:], **LAYOUT_TOL)
 
 
@@ -363,3 +385,168 @@ def test_bad_arguments_name_themselves(gqa: Decoder) -> None:
         paged.feed_tokens([[1], [2]])
     with pytest.raises(ValueError, match="n_new"):
         paged.reserve(0)
+
+
+def test_constructor_sizes_the_pool_from_capacity_or_takes_n_blocks() -> None:
+    sized = PagedKVCache(SHAPE, batch_size=3, capacity=10, block_size=4)
+    assert sized.pool.n_blocks == 3 * 3 and sized.capacity == 10  # ceil(10 / 4) blocks per sequence
+    pooled = PagedKVCache(SHAPE, n_blocks=5, block_size=4)
+    assert pooled.capacity == 20  # no per-sequence cap: one sequence may fill the pool
+    pooled.fast_fill(20)
+    with pytest.raises(CacheCapacityError, match="block pool exhausted"):
+        pooled.reserve(1)
+    capped = PagedKVCache(SHAPE, capacity=6, n_blocks=8, block_size=4)
+    capped.fast_fill(6)
+    with pytest.raises(CacheCapacityError, match="capacity 6 per sequence"):
+        capped.reserve(1)
+    assert capped.length == 6
+    with pytest.raises(ValueError, match="n_blocks: None with capacity None"):
+        PagedKVCache(SHAPE)
+    with pytest.raises(ValueError, match="cascade: 1 is not allowed"):
+        PagedKVCache(SHAPE, capacity=8, cascade=1)
+    with pytest.raises(ValueError, match="latent_values"):
+        PagedKVCache(CacheShape(1, 1, 24, latent_values=16), capacity=8)
+    with pytest.raises(ValueError, match="codec: unknown dtype 'int3'"):
+        PagedKVCache(SHAPE, capacity=8, codec="int3")
+
+
+# -- codecs: blocks hold the encoded bytes ----------------------------------------------------------------------------
+@pytest.mark.parametrize("codec", ["int8", "int4", "fp8"])
+def test_paged_codec_attends_like_the_contiguous_cache_with_that_codec(codec: str) -> None:
+    gen = torch.Generator().manual_seed(6)
+    # Blocks of 4, taken in turn by the two sequences as they grow: neither holds a run of consecutive blocks.
+    paged = PagedKVCache(SHAPE, batch_size=2, n_blocks=12, block_size=4, codec=codec)
+    contiguous = ContiguousKVCache(SHAPE, batch_size=2, capacity=24, codec=codec)
+    feed([paged, contiguous], gen, batch=2, n=9)
+    q = queries(gen, 2, 9)
+    for layer in range(SHAPE.n_layers):
+        torch.testing.assert_close(paged.attend(layer, q), contiguous.attend(layer, q), **KERNEL_TOL)
+    for _ in range(6):
+        feed([paged, contiguous], gen, batch=2, n=1)
+        q = queries(gen, 2, 1)
+        for layer in range(SHAPE.n_layers):
+            for window in (None, 6):
+                got, want = paged.attend(layer, q, window), contiguous.attend(layer, q, window)
+                torch.testing.assert_close(got, want, **KERNEL_TOL)
+    # Each token is encoded on its own, so both hold the same codes and decode them by the same arithmetic.
+    assert paged.block_tables() == [[0, 1, 2, 6], [3, 4, 5, 7]]  # the 9-token prefill, then one block each
+    for layer in range(SHAPE.n_layers):
+        for got, want in zip(paged.read(layer), contiguous.read(layer), strict=True):
+            torch.testing.assert_close(got, want, **EXACT)
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "fp8"])
+def test_paged_codec_equals_fp32_paging_of_its_decoded_kv(codec: str) -> None:
+    gen = torch.Generator().manual_seed(7)
+    c = get_codec(codec)
+
+    def round_trip(x: torch.Tensor) -> torch.Tensor:  # what the store keeps of x: each token's D channels, G=32
+        return c.decode(c.encode(x, -1, 32))
+
+    coded = PagedKVCache(SHAPE, batch_size=2, capacity=16, block_size=4, codec=codec)
+    decoded = PagedKVCache(SHAPE, batch_size=2, capacity=16, block_size=4)
+    exact = PagedKVCache(SHAPE, batch_size=2, capacity=16, block_size=4)
+    for n in (7, 1, 1, 1):
+        feed([coded, decoded, exact], gen, batch=2, n=n, transforms=[lambda x: x, round_trip, lambda x: x])
+    q = queries(gen, 2, 1)
+    for layer in range(SHAPE.n_layers):
+        for got, want in zip(coded.read(layer), decoded.read(layer), strict=True):
+            torch.testing.assert_close(got, want, **EXACT)
+        out = coded.attend(layer, q)
+        torch.testing.assert_close(out, decoded.attend(layer, q), **KERNEL_TOL)
+        if codec != "int8":
+            continue
+        # Against the K/V as they came: the codec's error propagated through softmax. Keys off by at most e_k move
+        # each score by at most d = |q|_1 e_k, so each probability by a factor within exp(+-2d); values off by at most
+        # e_v move the output by e_v. So |out - exact| <= e_v + (exp(2d) - 1) max|v| (int8 at D=16: about 0.2 here,
+        # while reading a wrong token moves the output by about 1).
+        (k, v), (k_raw, v_raw) = coded.read(layer), exact.read(layer)
+        e_k, e_v = (k - k_raw).abs().amax(), (v - v_raw).abs().amax()
+        d = q[..., 0, :].abs().sum(-1) * e_k  # [B, Hkv, G]
+        bound = e_v + (torch.exp(2 * d) - 1) * v_raw.abs().amax((-2, -1))[..., None] + 1e-5
+        error = (out - exact.attend(layer, q)).abs().amax((-2, -1))
+        assert (error <= bound).all() and error.max() > 0, (error, bound)
+
+
+@pytest.mark.parametrize(
+    "codec,slot_bytes",
+    # One token's 16 channels of one head: payload, plus per group of 32 channels (one here) its fp16 statistics.
+    [
+        ("int8", 16 + (2 + 2)),
+        ("int4", 16 // 2 + (2 + 2)),
+        ("fp8", 16 + 2),
+        ("bf16", 16 * 2),
+    ],
+)
+def test_paged_codec_byte_counts_by_hand(codec: str, slot_bytes: int) -> None:
+    paged = PagedKVCache(SHAPE, n_blocks=10, block_size=4, codec=codec)
+    block = 2 * 2 * 2 * 4 * slot_bytes  # (K, V) x 2 layers x 2 KV heads x 4 tokens x slot bytes
+    assert paged.block_bytes == block
+    assert paged.bytes_allocated() == 10 * block
+    paged.fast_fill(5)
+    assert paged.bytes_stored() == 2 * block + 2 * 4  # 2 blocks (the second partly filled), 2 int32 entries
+    assert paged.bytes_read_per_step() == 2 * block + 2 * 2 * 4  # each of 2 layers reads both entries
+    assert paged.bytes_written_per_step() == 2 * 2 * 2 * slot_bytes  # one token: (K, V) x layers x heads
+    paged.fork(0)
+    assert paged.bytes_stored() == 2 * block + 4 * 4
+
+
+def test_copy_on_write_moves_the_encoded_bytes() -> None:
+    gen = torch.Generator().manual_seed(8)
+    paged = PagedKVCache(SHAPE, n_blocks=8, block_size=4, codec="int4")
+    feed([paged], gen, batch=1, n=6)
+    parent = [paged.read(layer) for layer in range(SHAPE.n_layers)]
+    paged.fork(0)
+    feed([paged], gen, batch=2, n=1)  # both write into the shared partial block: one of them copies it first
+    assert len({b for t in paged.block_tables() for b in t}) == 3
+    for layer, (k0, v0) in enumerate(parent):
+        k, v = paged.read(layer)
+        torch.testing.assert_close(k[:, :, :6], k0.expand(2, -1, -1, -1), **EXACT)
+        torch.testing.assert_close(v[:, :, :6], v0.expand(2, -1, -1, -1), **EXACT)
+
+
+# -- sliding windows -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+@pytest.mark.parametrize("cascade", [False, True])
+def test_windowed_decode_reads_only_the_window_with_and_without_cascade(codec: str, cascade: bool) -> None:
+    gen = torch.Generator().manual_seed(9)
+    paged = PagedKVCache(SHAPE, n_blocks=16, block_size=4, cascade=cascade, codec=codec)
+    contiguous = ContiguousKVCache(SHAPE, batch_size=3, capacity=16, codec=codec)
+    # A 10-token prompt stored once and forked into 3 sequences; the contiguous cache holds 3 copies of it.
+    paged.reserve(10)
+    contiguous.reserve(10)
+    for layer in range(SHAPE.n_layers):
+        k, v = (torch.randn(1, 10, 2, 16, generator=gen) for _ in range(2))
+        paged.append(layer, k, v)
+        contiguous.append(layer, k.expand(3, -1, -1, -1), v.expand(3, -1, -1, -1))
+    paged.fork(0)
+    paged.fork(0)
+    feed([paged, contiguous], gen, batch=3, n=1)
+    # 11 tokens: blocks 0 and 1 (positions 0-7) shared, block 2 copied for two of the sequences on write.
+    q = queries(gen, 3, 1)
+    # Windows starting at 0, inside shared block 1 (position 5), and past the shared blocks (position 8).
+    for window in (None, 6, 3):
+        for layer in range(SHAPE.n_layers):
+            got, want = paged.attend(layer, q, window), contiguous.attend(layer, q, window)
+            torch.testing.assert_close(got, want, **KERNEL_TOL)
+    paged.attend(0, q, 6)
+    paged.attend(1, q, 3)
+    # By hand, blocks of one layer: 1024 bytes (4 tokens x (K, V) x 2 heads x 16 x 4 B fp32, or 2 x 2 x 4 x 20 = 320
+    # int8); 3 blocks per sequence. Layer 0 (window 6, from position 5) reads blocks 1-2: block 1 is shared, so
+    # 1 + 3 x 1 with cascade, 3 x 2 without. Layer 1 (window 3, from position 8) reads block 2: 3 x 1 either way.
+    layer_block = 1024 if codec == "fp32" else 320
+    n_read = (4 if cascade else 6) + 3
+    assert paged.bytes_read_per_step() == n_read * layer_block + n_read * 4
+    # The widest window, everything: layer 0 reads 2 + 3 x 1 blocks with cascade, 3 x 3 without.
+    paged.attend(0, q)
+    assert paged.bytes_read_per_step() == ((5 if cascade else 9) + 3) * (layer_block + 4)
+
+
+def test_a_model_with_local_layers_decodes_through_paging_as_without_a_cache() -> None:
+    model = Decoder(tiny_config(layer_windows=(5, None)), device="cpu", seed=12)
+    seq = tokens(2, 14, seed=10)
+    paged = PagedKVCache.for_model(model, batch_size=2, capacity=16, block_size=4, cascade=True)
+    logits = [model.prefill(seq[:, :8], paged)]
+    logits += [model.decode_step(seq[:, i], paged)[:, None] for i in range(8, 14)]
+    # The cache attends over gathered blocks with matmuls; forward runs SDPA over the whole sequence with the mask.
+    torch.testing.assert_close(torch.cat(logits, dim=1), model.forward(seq), **KERNEL_TOL)

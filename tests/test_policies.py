@@ -1,7 +1,8 @@
 """Retention policies: each equals a full cache with exactly the evicted positions masked, and counts its bytes.
 
 The references here share no code with the policies: a full contiguous cache with an explicit mask built from
-Python sets, a brute-force StreamingLLM that re-ropes un-roped keys every step, and a brute-force H2O oracle.
+Python sets (and the model layer's own window), a brute-force StreamingLLM that re-ropes un-roped keys every step,
+and a brute-force H2O oracle.
 """
 
 import math
@@ -11,12 +12,15 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from kvlab import ContiguousKVCache, Decoder, MLAConfig, ModelConfig
+from kvlab import CacheCapacityError, ContiguousKVCache, Decoder, MLAConfig, ModelConfig
+from kvlab.cache.base import CacheShape
 from kvlab.cache.heavy_hitters import HeavyHitterKVCache
 from kvlab.cache.window import WindowKVCache
-from kvlab.model import apply_rope
+from kvlab.layers import apply_rope
 
 CFG = ModelConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=97, max_seq_len=256)
+# The same model with a sliding window of 4 on layer 0 (Gemma-2's local/global pattern).
+WINDOWED = ModelConfig(**{**CFG.__dict__, "name": "windowed", "layer_windows": (4, None)})
 B, N = 2, 40
 # Step sizes: a prefill longer than the small windows, decode steps, a mid-stream chunk, more decode steps.
 SCHEDULE = [10] + [1] * 14 + [5] + [1] * 11
@@ -26,14 +30,23 @@ SCHEDULE = [10] + [1] * 14 + [5] + [1] * 11
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def model() -> Decoder:
+def peaked(cfg: ModelConfig) -> Decoder:
     """Random weights with Q/K/V scaled up, so attention is peaked and dropping a token visibly moves the logits."""
-    model = Decoder(CFG, device="cpu", seed=0)
+    model = Decoder(cfg, device="cpu", seed=0)
     with torch.no_grad():
         for block in model.layers:
             block.attn.wqkv.mul_(4.0)
     return model
+
+
+@pytest.fixture(scope="module")
+def model() -> Decoder:
+    return peaked(CFG)
+
+
+@pytest.fixture(scope="module")
+def windowed() -> Decoder:
+    return peaked(WINDOWED)
 
 
 @pytest.fixture(scope="module")
@@ -55,42 +68,44 @@ def run(model, cache, tokens, schedule=SCHEDULE, after_step=None) -> torch.Tenso
 
 
 def reference_attention(q, k, v, mask=None):
-    """Per query head, no grouping tricks. ``q`` ``[B, T, H, D]``; ``k``, ``v`` ``[B, Hkv, n, D]``; ``mask``
-    ``[B|1, Hkv|1, T, n]`` (True = visible) -> out ``[B, T, H, D]``, probs ``[B, H, T, n]``."""
-    g = q.shape[2] // k.shape[1]
+    """Per query head, no grouping tricks. ``q`` ``[B, H, T, D]``, already scaled; ``k``, ``v`` ``[B, Hkv, n, D]``;
+    ``mask`` ``[B|1, Hkv|1, T, n]`` (True = visible) -> out ``[B, H, T, D]``, probs ``[B, H, T, n]``."""
+    g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    scores = torch.einsum("bthd,bhsd->bhts", q, k) / math.sqrt(q.shape[-1])
+    scores = torch.einsum("bhtd,bhsd->bhts", q, k)
     if mask is not None:
         scores = scores.masked_fill(~mask.repeat_interleave(g, dim=1) if mask.shape[1] > 1 else ~mask, -math.inf)
     probs = scores.softmax(dim=-1)
-    return torch.einsum("bhts,bhsd->bthd", probs, v), probs
+    return torch.einsum("bhts,bhsd->bhtd", probs, v), probs
 
 
 class MaskedFullCache(ContiguousKVCache):
-    """Keeps every token; a query sees key ``a`` only where ``visible(layer, b, h, p, a)`` says so."""
+    """Keeps every token; a query sees key ``a`` only where ``visible(layer, b, h, p, a)`` says so, and the layer's
+    own sliding window allows it."""
 
     def __init__(self, model: Decoder, visible) -> None:
-        cfg = model.cfg
-        super().__init__(cfg.n_layers, B, N, cfg.n_kv_heads, cfg.head_dim)
+        super().__init__(CacheShape.of(model), B, N)
         self.visible = visible
 
-    def mask(self, layer: int, t: int) -> torch.Tensor:
+    def mask(self, layer: int, t: int, window: int | None) -> torch.Tensor:
         end = self.length
+
+        def sees(b, h, p, a):
+            return a <= p and (window is None or a > p - window) and self.visible(layer, b, h, p, a)
+
         return torch.tensor(
             [
-                [
-                    [[a <= p and self.visible(layer, b, h, p, a) for a in range(end)] for p in range(end - t, end)]
-                    for h in range(self.n_kv_heads)
-                ]
+                [[[sees(b, h, p, a) for a in range(end)] for p in range(end - t, end)] for h in range(self.n_kv_heads)]
                 for b in range(B)
             ]
         )
 
-    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, window=None, rotate=None) -> torch.Tensor:
         k, v = self.read(layer)
-        out, probs = reference_attention(q, k, v, self.mask(layer, q.shape[1]))
+        b, hkv, g, t, d = q.shape
+        out, probs = reference_attention(q.reshape(b, hkv * g, t, d), k, v, self.mask(layer, t, window))
         self.observe(layer, probs)
-        return out
+        return out.view(b, hkv, g, t, -1)
 
     def observe(self, layer: int, probs: torch.Tensor) -> None:
         """Hook for the H2O oracle."""
@@ -154,9 +169,9 @@ def streaming_llm_reference(model: Decoder, tokens: torch.Tensor, sinks: int, wi
                 raw_v[i].append(v)
                 keys = apply_rope(torch.cat([raw_k[i][a] for a in kept], dim=1), cos, sin)
                 values = torch.cat([raw_v[i][a] for a in kept], dim=1)
-                q = apply_rope(q, cos[-1:], sin[-1:])
+                q = apply_rope(q, cos[-1:], sin[-1:]).transpose(1, 2) / math.sqrt(d)
                 out, _ = reference_attention(q, keys.transpose(1, 2), values.transpose(1, 2))
-                x = x + out.reshape(B, 1, -1) @ block.attn.wo
+                x = x + out.transpose(1, 2).reshape(B, 1, -1) @ block.attn.wo
                 x = x + block.mlp(block.mlp_norm(x))
             logits.append(model._logits(x))
     return torch.cat(logits, dim=1)
@@ -182,9 +197,9 @@ def test_window_with_reassigned_positions_equals_brute_force_streaming_llm(model
 def test_window_longer_than_the_sequence_equals_the_contiguous_cache_exactly(model, tokens, positions):
     sinks, window = 4, N
     cache = WindowKVCache.for_model(model, B, window=window, sinks=sinks, positions=positions)
-    contiguous = ContiguousKVCache(CFG.n_layers, B, sinks + window, CFG.n_kv_heads, CFG.head_dim)
+    contiguous = ContiguousKVCache.for_model(model, B, sinks + window)
     # Nothing is evicted, so the window cache takes its plain paths: the same kernel calls as the contiguous cache,
-    # on slabs of the same capacity (the same strides), with the same data. Equal bit for bit.
+    # on stores of the same capacity (the same strides), with the same data. Equal bit for bit.
     assert_close(run(model, cache, tokens), run(model, contiguous, tokens), rtol=0, atol=0)
 
 
@@ -197,7 +212,50 @@ def test_per_layer_windows_equal_a_per_layer_masked_full_cache(model, tokens, wi
     assert [cache.held(layer) for layer in range(CFG.n_layers)] == [N if w is None else sinks + w for w in windows]
 
 
-# -- (e) heavy hitters == brute-force H2O oracle ------------------------------------------------------------------
+# -- (e) a model with sliding-window layers: no cache reads past the layer's window --------------------------------
+def test_the_models_own_window_cache_equals_the_uncached_model(windowed, tokens):
+    cache = windowed.new_cache(B, N)
+    assert isinstance(cache, WindowKVCache) and cache.windows == [4, None] and cache.sinks == 0
+    with torch.no_grad():
+        want = windowed(tokens)
+    assert_close(run(windowed, cache, tokens), want, **TOL)
+    assert [cache.held(layer) for layer in range(2)] == [4, N]
+    per_token = 2 * 2 * 16 * 4  # K and V x 2 KV heads x head dim 16 x fp32, one layer
+    assert cache.bytes_read_per_step() == B * (4 + N) * per_token
+    assert cache.bytes_read_per_step(3) == B * (3 + 3) * per_token
+    # The window matters: the same model without it gives other logits.
+    with torch.no_grad():
+        assert (peaked(CFG)(tokens) - want).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        # Keeps more than layer 0's window, and sinks older than it: both masked by position.
+        lambda m: WindowKVCache.for_model(m, B, N, window=(8, None), sinks=2),
+        lambda m: WindowKVCache.for_model(m, B, N, window=(8, None), sinks=2, positions="reassigned"),
+        # Keeps every token of every layer (a plain window longer than the sequence): the slab reads the window.
+        lambda m: WindowKVCache.for_model(m, B, window=N),
+        # H2O with room for every token: nothing evicted, everything past the window masked.
+        lambda m: HeavyHitterKVCache.for_model(m, B, heavy=N, recent=1),
+    ],
+    ids=["longer-window+sinks", "reassigned", "global", "h2o-roomy"],
+)
+def test_a_cache_keeping_more_than_the_layers_window_masks_it(windowed, tokens, make):
+    with torch.no_grad():
+        want = windowed(tokens)
+    assert_close(run(windowed, make(windowed), tokens), want, **TOL)
+
+
+@pytest.mark.parametrize(("windows", "sinks"), [((6, 6), 1), ((2, None), 0)])
+def test_a_policy_on_a_windowed_model_equals_both_masks(windowed, tokens, windows, sinks):
+    """The policy's own window on top of the model's: a query sees what both allow."""
+    cache = WindowKVCache.for_model(windowed, B, N, window=windows, sinks=sinks)
+    want = run(windowed, windowed_reference(windowed, sinks, windows), tokens)
+    assert_close(run(windowed, cache, tokens), want, **TOL)
+
+
+# -- (f) heavy hitters == brute-force H2O oracle ------------------------------------------------------------------
 class H2OOracle(MaskedFullCache):
     """A full cache plus H2O written out: Python sets of kept positions per (layer, sequence, KV head), scores
     summed from the reference attention's probabilities, decisions by sorting.
@@ -209,26 +267,27 @@ class H2OOracle(MaskedFullCache):
 
     def __init__(self, model: Decoder, heavy: int, recent: int) -> None:
         super().__init__(model, lambda layer, b, h, p, a: a in self.kept[layer][b][h])
+        cfg = model.cfg
         self.heavy, self.recent = heavy, recent
-        self.kept = [[[set() for _ in range(CFG.n_kv_heads)] for _ in range(B)] for _ in range(CFG.n_layers)]
-        self.scores = torch.zeros(CFG.n_layers, B, CFG.n_kv_heads, N)
+        self.kept = [[[set() for _ in range(cfg.n_kv_heads)] for _ in range(B)] for _ in range(cfg.n_layers)]
+        self.scores = torch.zeros(cfg.n_layers, B, cfg.n_kv_heads, N)
         self.margins: list[float] = []
 
-    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        t, end = q.shape[1], self.length
+    def attend(self, layer: int, q: torch.Tensor, window=None, rotate=None) -> torch.Tensor:
+        t, end = q.shape[-2], self.length
         budget = self.heavy + self.recent
         for b in range(B):
-            for h in range(CFG.n_kv_heads):
+            for h in range(self.n_kv_heads):
                 kept, score = self.kept[layer][b][h], self.scores[layer, b, h].tolist()
                 if t == 1 and len(kept) == budget:  # make room: the lowest score outside the recent-1 newest
                     lowest = sorted((a for a in kept if a <= end - 1 - self.recent), key=score.__getitem__)
                     self.margins += [score[lowest[1]] - score[lowest[0]]] if len(lowest) > 1 else []
                     kept.remove(lowest[0])
                 kept.update(range(end - t, end))
-        out = super().attend(layer, q)
+        out = super().attend(layer, q, window)
         if t > 1:
             for b in range(B):
-                for h in range(CFG.n_kv_heads):
+                for h in range(self.n_kv_heads):
                     kept, score = self.kept[layer][b][h], self.scores[layer, b, h].tolist()
                     ranked = sorted(kept, key=lambda a: (a >= end - self.recent, score[a]), reverse=True)
                     if len(ranked) > budget and ranked[budget - 1] < end - self.recent:  # the cut is by score
@@ -238,31 +297,21 @@ class H2OOracle(MaskedFullCache):
 
     def observe(self, layer: int, probs: torch.Tensor) -> None:
         b, _, t, n = probs.shape
-        self.scores[layer, :, :, :n] += probs.view(b, CFG.n_kv_heads, -1, t, n).sum(dim=(2, 3))
+        self.scores[layer, :, :, :n] += probs.view(b, self.n_kv_heads, -1, t, n).sum(dim=(2, 3))
 
 
-@pytest.mark.parametrize(
-    ("heavy", "recent", "schedule"), [(3, 4, SCHEDULE), (2, 1, [1] * N), (5, 2, [4, 12] + [1] * 24)]
-)
-def test_heavy_hitters_keep_the_top_scored_tokens_and_equal_the_masked_reference(
-    model, tokens, heavy, recent, schedule
-):
+def check_h2o_against_the_oracle(model, tokens, heavy, recent, schedule):
     cache, oracle = HeavyHitterKVCache.for_model(model, B, heavy=heavy, recent=recent), H2OOracle(model, heavy, recent)
-    got, want = [], []
-
-    def compare_kept(_):
-        for layer in range(CFG.n_layers):
-            positions = cache.kept_positions(layer)
-            for b in range(B):
-                for h in range(CFG.n_kv_heads):
-                    assert set(positions[b, h].tolist()) == oracle.kept[layer][b][h], (layer, b, h)
-
-    start = 0
+    got, want, start = [], [], 0
     for n in schedule:  # in lockstep, so the kept sets are compared after every step
         got.append(run(model, cache, tokens[:, start : start + n], [n]))
         want.append(run(model, oracle, tokens[:, start : start + n], [n]))
         start += n
-        compare_kept(start)
+        for layer in range(model.cfg.n_layers):
+            positions = cache.kept_positions(layer)
+            for b in range(B):
+                for h in range(model.cfg.n_kv_heads):
+                    assert set(positions[b, h].tolist()) == oracle.kept[layer][b][h], (start, layer, b, h)
     assert_close(torch.cat(got, dim=1), torch.cat(want, dim=1), **TOL)
     # The cache sums probabilities from its own kernel, the oracle from the reference's: equal to rounding.
     scores = cache.attention_scores(0)
@@ -273,12 +322,26 @@ def test_heavy_hitters_keep_the_top_scored_tokens_and_equal_the_masked_reference
     assert min(oracle.margins) > 10 * rounding, f"a decision is {min(oracle.margins):.3g} from a tie; {rounding=:.3g}"
 
 
+@pytest.mark.parametrize(
+    ("heavy", "recent", "schedule"), [(3, 4, SCHEDULE), (2, 1, [1] * N), (5, 2, [4, 12] + [1] * 24)]
+)
+def test_heavy_hitters_keep_the_top_scored_tokens_and_equal_the_masked_reference(
+    model, tokens, heavy, recent, schedule
+):
+    check_h2o_against_the_oracle(model, tokens, heavy, recent, schedule)
+
+
+def test_heavy_hitters_on_a_windowed_model_equal_the_oracle_with_the_window(windowed, tokens):
+    """Tokens past layer 0's window are masked: they draw no attention there, so they gain no score."""
+    check_h2o_against_the_oracle(windowed, tokens, 2, 2, SCHEDULE)  # heavy 2 + recent 2 = layer 0's window
+
+
 def test_heavy_hitters_decide_per_kv_head():
     """Head 0's query matches token 1's key and head 1's matches token 2's: each head keeps its own heavy hitter."""
-    cache = HeavyHitterKVCache(n_layers=1, batch_size=1, n_kv_heads=2, head_dim=4, heavy=1, recent=2)
+    cache = HeavyHitterKVCache(CacheShape(n_layers=1, n_kv_heads=2, head_dim=4), heavy=1, recent=2)
     e = 3.0 * torch.eye(4)
     keys = [torch.zeros(4), e[0], e[1], torch.zeros(4)]
-    q = torch.stack((e[0], e[1]))[None, None] * 2.0  # [B, T, H, D]; scaled so that 1/sqrt(D) gives logits of 9
+    q = torch.stack((e[0], e[1]))[None, :, None, None] * 2.0 * 4**-0.5  # [B, Hkv, G, T, D], scaled: logits of 9
     for k in keys:
         cache.reserve(1)
         cache.append(0, k.expand(1, 1, 2, 4), torch.zeros(1, 1, 2, 4))
@@ -318,9 +381,8 @@ def test_window_bytes_match_a_hand_count(model, tokens):
 
 
 def test_per_layer_window_bytes_match_a_hand_count(model, tokens):
-    cache = WindowKVCache.for_model(model, B, 64, window=(4, None), sinks=1, kv_dtype="fp16")
-    run(model.to(torch.float16), cache, tokens)
-    model.float()
+    cache = WindowKVCache.for_model(model, B, 64, window=(4, None), sinks=1, codec="fp16")
+    run(model, cache, tokens)
     per_token = 2 * 2 * 16 * 2  # fp16
     assert cache.bytes_stored() == B * (1 + 4 + N) * per_token  # the local layer holds 5, the global one all 40
     assert cache.bytes_read_per_step(1000) == B * (5 + 1000) * per_token
@@ -350,8 +412,6 @@ def test_heavy_hitter_bytes_match_a_hand_count(model, tokens):
 
 # -- capacity and arguments ---------------------------------------------------------------------------------------
 def test_a_global_layer_is_bounded_by_capacity_and_a_full_cache_changes_nothing(model):
-    from kvlab import CacheCapacityError
-
     cache = WindowKVCache.for_model(model, 1, 8, window=(2, None))
     cache.fast_fill(6)
     with pytest.raises(CacheCapacityError):
@@ -362,13 +422,18 @@ def test_a_global_layer_is_bounded_by_capacity_and_a_full_cache_changes_nothing(
     assert every_layer_local.capacity is None and every_layer_local.length == 3
 
 
-def _window(**kwargs):
-    args = dict(n_layers=2, batch_size=1, n_kv_heads=2, head_dim=16, window=4) | kwargs
-    return WindowKVCache(**args)
+SHAPE = CacheShape(n_layers=2, n_kv_heads=2, head_dim=16)
 
 
-def _h2o(**kwargs):
-    return HeavyHitterKVCache(**(dict(n_layers=2, batch_size=1, n_kv_heads=2, head_dim=16, heavy=2, recent=2) | kwargs))
+def _window(shape=SHAPE, **kwargs):
+    return WindowKVCache(shape, **(dict(window=4) | kwargs))
+
+
+def _h2o(shape=SHAPE, **kwargs):
+    return HeavyHitterKVCache(shape, **(dict(heavy=2, recent=2) | kwargs))
+
+
+LATENT = CacheShape(n_layers=2, n_kv_heads=1, head_dim=40, latent_values=32)
 
 
 @pytest.mark.parametrize(
@@ -380,14 +445,15 @@ def _h2o(**kwargs):
         (_window, dict(window=True), r"window: True .*allowed"),
         (_window, dict(sinks=-1), r"sinks: -1 .*allowed: an integer >= 0"),
         (_window, dict(positions="relative"), r"positions: 'relative' .*allowed: 'original', 'reassigned'"),
-        (_window, dict(positions="reassigned"), r"rope: None .*allowed: the model's rope"),
         (_window, dict(window=(4, None)), r"capacity: None .*allowed: an integer >= 1"),
         (_window, dict(capacity=0), r"capacity: 0 .*allowed: an integer >= 1"),
-        (_window, dict(dtype="int8"), r"kv dtype: .*allowed: fp32, fp16, bf16"),
+        (_window, dict(codec="int3"), r"codec: .*'int3'.*allowed: .*int8"),
         (_window, dict(batch_size=0), r"batch_size: 0 .*allowed: an integer >= 1"),
+        (_window, dict(shape=LATENT), r"shape: an MLA latent .*allowed: per-head K/V"),
         (_h2o, dict(heavy=-1), r"heavy: -1 .*allowed: an integer >= 0"),
         (_h2o, dict(recent=0), r"recent: 0 .*allowed: an integer >= 1"),
-        (_h2o, dict(head_dim=2.5), r"head_dim: 2.5 .*allowed: an integer >= 1"),
+        (_h2o, dict(shape=LATENT), r"shape: an MLA latent .*allowed: per-head K/V"),
+        (_h2o, dict(shape=(2, 2, 16)), r"shape: tuple; allowed: a kvlab.cache.CacheShape"),
     ],
 )
 def test_bad_arguments_name_the_argument_and_the_allowed_values(make, kwargs, message):
@@ -401,10 +467,14 @@ def test_bad_step_arguments_raise(model):
         cache.reserve(0)
     with pytest.raises(ValueError, match=r"context: -1 .*allowed: an integer >= 0"):
         cache.bytes_read_per_step(-1)
-    plain = Decoder(CFG, device="cpu")  # no layer_windows: the window must be given
-    with pytest.raises(ValueError, match=r"window: not given .*allowed"):
-        WindowKVCache.for_model(plain)
+    # Re-assigned positions past the first eviction need the attention module's rotate.
+    reassigned = WindowKVCache(SHAPE, window=2, sinks=1, positions="reassigned")
+    reassigned.fast_fill(5)
+    reassigned.reserve(1)
+    reassigned.append(0, torch.zeros(1, 1, 2, 16), torch.zeros(1, 1, 2, 16))
+    with pytest.raises(ValueError, match=r"rotate: None .*allowed: the attention module's rotate"):
+        reassigned.attend(0, torch.zeros(1, 2, 2, 1, 16))
     mla = MLAConfig(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
-    latent = SimpleNamespace(cfg=ModelConfig(n_layers=2, d_model=64, n_heads=4, mla=mla))
-    with pytest.raises(ValueError, match=r"model: .*MLA.*allowed: an MHA, GQA or MQA model"):
+    latent = SimpleNamespace(cfg=ModelConfig(n_layers=2, d_model=64, n_heads=4, mla=mla), device="cpu")
+    with pytest.raises(ValueError, match=r"shape: an MLA latent .*allowed: per-head K/V"):
         HeavyHitterKVCache.for_model(latent, heavy=1, recent=1)

@@ -8,11 +8,12 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from kvlab import quality
+from kvlab.cache.base import default_cache
 from kvlab.cache.contiguous import ContiguousKVCache
 from kvlab.config import ModelConfig
 from kvlab.model import Decoder
 from kvlab.pretrained import heldout_tokens, load_pretrained
-from kvlab.quality import full_cache, needle_prompts, needle_recall, perplexity
+from kvlab.quality import needle_prompts, needle_recall, perplexity
 from kvlab.tokenizer import ASK, VOCAB_SIZE, is_passkey
 
 from .helpers import assert_greedy_picks
@@ -48,8 +49,7 @@ class ForgetfulCache(ContiguousKVCache):
 
 
 def forgetful(model: Decoder, batch_size: int, capacity: int) -> ContiguousKVCache:
-    cfg = model.cfg
-    return ForgetfulCache(cfg.n_layers, batch_size, capacity, cfg.n_kv_heads, cfg.head_dim)
+    return ForgetfulCache.for_model(model, batch_size, capacity)
 
 
 def brute_force_nll(model: Decoder, tokens: torch.Tensor, context: int, prefill: int) -> torch.Tensor:
@@ -89,7 +89,7 @@ def test_factory_gets_batch_and_capacity(model: Decoder, text: torch.Tensor) -> 
 
     def spy(m: Decoder, batch_size: int, capacity: int) -> ContiguousKVCache:
         calls.append((batch_size, capacity))
-        return full_cache(m, batch_size, capacity)
+        return default_cache(m, batch_size, capacity)
 
     perplexity(model, text, context=64, make_cache=spy, batch_size=2, progress=False)
     assert calls == [(2, 64), (1, 64)]

@@ -1,4 +1,4 @@
-"""bench/quality_table.py: every policy row builds a working cache, and a small table runs end to end."""
+"""benchmarks/quality_table.py: every policy row builds a working cache, and a small table runs end to end."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from kvlab.pretrained import load_pretrained
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "quality_table.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "quality_table.py"
 
 
 @pytest.fixture(scope="module")

@@ -1,23 +1,29 @@
 import csv
 import itertools
-import math
 import re
+import subprocess
+import sys
 from importlib import resources
 
 import pytest
 
-from kvlab import ModelConfig, get_gpu, get_model
+from kvlab import MLAConfig, ModelConfig, get_gpu, get_model
 from kvlab.roofline import (
     active_params,
+    batch_for_tpot,
     bytes_per_step,
+    crossover_context,
+    decode_flops,
     expected_experts,
     kv_bytes_per_step,
     kv_bytes_per_token,
-    measure_bandwidth,
-    measure_matmul_flops,
+    mla_attention_flops,
     param_count,
     predict,
     predict_tpot_ms,
+    prefill_flops,
+    ridge_intensity,
+    roofline_time_ms,
     weight_bytes,
     weight_bytes_read,
     weight_element_bytes,
@@ -107,14 +113,6 @@ def test_bytes_per_step_and_tpot_compose():
         kv_bytes_per_step(cfg, 10, batch=0)
 
 
-def test_measured_ceilings_are_positive_and_consistent():
-    bw = measure_bandwidth("cpu", size_mb=16, repeats=3)
-    for value in (bw.copy_gbps, bw.read_gbps):
-        assert math.isfinite(value) and value > 0
-    assert bw.copy_best_gbps >= bw.copy_gbps and bw.read_best_gbps >= bw.read_gbps
-    assert measure_matmul_flops("cpu", n=128, repeats=2) > 0
-
-
 def test_window_and_sinks_bound_what_a_step_reads():
     cfg = get_model("llama-3.1-8b")
     per_token = kv_bytes_per_token(cfg)
@@ -161,14 +159,24 @@ def test_group_size_counts_scales_and_zero_points_as_the_codecs_store_them():
         kv_element_bytes("int8", 0)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp8", "int8", "int4"])
+@pytest.mark.parametrize("group_size", [1, 7, 32, 128])
+def test_group_size_arithmetic_matches_what_the_codecs_store(dtype, group_size):
+    from kvlab.cache.codecs import get_codec
+    from kvlab.roofline import kv_element_bytes
+
+    stored = get_codec(dtype).stored_bytes((group_size,), 0, group_size)
+    assert kv_element_bytes(dtype, group_size) * group_size == stored
+
+
 def test_byte_model_agrees_with_a_quantized_cache_with_no_residual():
     from kvlab import Decoder
-    from kvlab.cache import QuantizedKVCache
+    from kvlab.cache.quantized import QuantizedKVCache
 
     cfg = ModelConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=96, vocab_size=50, max_seq_len=256)
     model = Decoder(cfg, device="cpu")
     for codec in ("int8", "int4", "fp8"):
-        cache = QuantizedKVCache(2, 1, 128, 2, 16, codec=codec, group_size=16, residual=0)
+        cache = QuantizedKVCache.for_model(model, 1, 128, codec=codec, group_size=16, residual=0)
         cache.fast_fill(64)
         assert cache.bytes_stored() == 64 * kv_bytes_per_token(model.cfg, codec, group_size=16), codec
 
@@ -357,3 +365,79 @@ def test_predict_reproduces_the_published_predictions_for_preset_models():
         assert p.tpot_ms == pytest.approx(float(raw["predicted_tpot_ms"]), abs=6e-4), raw["weight_dtype"]
         checked += 1
     assert checked == 17
+
+
+MLA_SHAPE = dict(n_layers=1, d_model=64, n_heads=4, d_ff=96, vocab_size=97, max_seq_len=128)
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 24], ids=["q-full", "q-lora"])
+@pytest.mark.parametrize("absorb", [True, False], ids=["absorbed", "naive"])
+def test_mla_attention_flops_equal_what_torch_counts_for_one_step(q_lora_rank, absorb):
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from kvlab import Decoder
+    from kvlab.mla import set_absorb
+
+    mla = MLAConfig(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, q_lora_rank=q_lora_rank)
+    model = set_absorb(Decoder(ModelConfig(**MLA_SHAPE, mla=mla), device="cpu"), absorb)
+    cache = model.new_cache(2, capacity=40)
+    cache.fast_fill(29, generator=torch.Generator().manual_seed(11))
+    position = cache.reserve(1)
+    cos, sin = model.rope(torch.tensor([position]))
+    x = torch.randn(2, 1, 64, generator=torch.Generator().manual_seed(12))
+    with torch.inference_mode(), FlopCounterMode(display=False) as counter:
+        model.layers[0].attn(x, model.rope, cos, sin, cache)
+    flops = mla_attention_flops(model.cfg, context=30)
+    assert counter.get_total_flops() == 2 * (flops.absorbed if absorb else flops.naive)  # batch of 2
+
+
+def test_mla_attention_flops_for_deepseek_v3_by_hand():
+    cfg = get_model("deepseek-v3")
+    one, more = mla_attention_flops(cfg, 1), mla_attention_flops(cfg, 1001)
+    # Per attended token: absorbed 2 x 128 x (2 x 512 + 64); per-head K/V 2 x 128 x (128 + 64 + 128);
+    # naive re-expansion 2 x 512 x 128 x (128 + 128).
+    assert more.attend_latent - one.attend_latent == 1000 * 278_528
+    assert more.attend_expanded - one.attend_expanded == 1000 * 81_920
+    assert more.expand - one.expand == 1000 * 33_554_432
+    assert one.absorb == 2 * 128 * 512 * (128 + 128)
+    assert one.projections == 2 * 7168 * (1536 + 512 + 64) + 2 * 1536 * 128 * 192 + 2 * 128 * 128 * 7168
+    assert more.absorbed < more.naive and more.absorption_extra > 0
+
+
+@pytest.mark.parametrize(
+    "make, field",
+    [
+        (lambda: mla_attention_flops(ModelConfig(**MLA_SHAPE, mla=MLAConfig(32, 8, 16, 16)), 0), "context"),
+        (lambda: mla_attention_flops(get_model("cpu-tiny"), 8), "cfg"),
+    ],
+)
+def test_bad_mla_attention_flops_arguments_raise_value_error_naming_the_field(make, field):
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        make()
+
+
+def test_the_byte_model_loads_no_torch():
+    code = "import kvlab.roofline, sys; assert 'torch' not in sys.modules, 'torch was imported'"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_ridge_and_roofline_time_by_hand():
+    # H100 SXM: 989e12 FLOP/s over 3.35e12 bytes/s = 295.2 FLOPs per byte
+    assert ridge_intensity(989e12, 3350) == pytest.approx(989e12 / 3.35e12, rel=1e-12)
+    # 2 GFLOP at 50 GFLOP/s = 40 ms; 4 GB at 12.5 GB/s = 320 ms: memory-bound, the slower of the two
+    assert roofline_time_ms(2e9, 4e9, 50e9, 12.5) == pytest.approx(320, rel=1e-12)
+    assert roofline_time_ms(2e12, 1e9, 50e9, 12.5) == pytest.approx(40_000, rel=1e-12)
+
+
+def test_decode_and_prefill_flops_by_hand():
+    cfg = get_model("llama-3.1-8b")  # 32 layers, 32 query heads of 128
+    attention_per_token = 4 * 32 * 32 * 128  # q.K and p.V, 2 FLOPs per multiply-add each
+    assert decode_flops(cfg, 4096, 2) == 2 * (2 * active_params(cfg) + attention_per_token * 4096)
+    # prefill of 3 tokens: they attend over 1 + 2 + 3 = 6 keys
+    assert prefill_flops(cfg, 3) == 2 * active_params(cfg) * 3 + attention_per_token * 6
+    w, kv = 141e9, 327_680  # bytes of weights, KV bytes per token
+    assert crossover_context(w, kv, batch=4) == pytest.approx(w / (4 * kv), rel=1e-12)
+    batch = batch_for_tpot(120, w, kv, 30_000, 3350)
+    assert predict_tpot_ms(w + batch * 30_000 * kv, 3350) == pytest.approx(120, rel=1e-9)

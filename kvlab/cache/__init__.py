@@ -1,10 +1,18 @@
-"""KV cache layouts and policies; each reports the bytes it stores, reads and writes per step."""
+"""KV caches on three independent axes, each reporting the bytes it stores, reads and writes per step.
 
-from kvlab.cache.base import CacheCapacityError, KVCache
+- storage, where a token's K/V sit: ``ContiguousKVCache`` (one slab), ``PagedKVCache`` (blocks of a pool),
+  ``LatentKVCache`` (MLA's latent, stored once), ``SharedPrefixKVCache`` (a prefix slab shared by the batch);
+- policy, which tokens stay: everything, ``WindowKVCache`` (sinks + a window, or a model's local layers),
+  ``HeavyHitterKVCache`` (H2O);
+- codec, how their bytes are encoded: any of ``kvlab.dtypes.KV_DTYPES``, through ``kvlab.cache.stores``
+  (``QuantizedKVCache`` is KIVI's own layout: keys grouped along tokens, which only an append-only slab allows).
+"""
+
+from kvlab.cache.base import CacheCapacityError, CacheFactory, CacheShape, KVCache
 from kvlab.cache.block_pool import BlockPool, PoolExhaustedError
-from kvlab.cache.cascade import cascade_decode_attention
 from kvlab.cache.contiguous import ContiguousKVCache
 from kvlab.cache.heavy_hitters import HeavyHitterKVCache
+from kvlab.cache.latent import LatentKVCache
 from kvlab.cache.paged import PagedKVCache
 from kvlab.cache.quantized import QuantizedKVCache
 from kvlab.cache.shared_prefix import SharedPrefixKVCache
@@ -13,13 +21,15 @@ from kvlab.cache.window import WindowKVCache
 __all__ = [
     "BlockPool",
     "CacheCapacityError",
+    "CacheFactory",
+    "CacheShape",
     "ContiguousKVCache",
     "HeavyHitterKVCache",
     "KVCache",
+    "LatentKVCache",
     "PagedKVCache",
     "PoolExhaustedError",
     "QuantizedKVCache",
     "SharedPrefixKVCache",
     "WindowKVCache",
-    "cascade_decode_attention",
 ]

@@ -1,42 +1,147 @@
-"""The interface every KV cache layout and policy implements.
+"""What every KV cache shares: the shape record it is built from, the calls a decode step makes, and its bytes.
 
-A decode step talks to its cache in three calls per step, so that a layout decides both how K/V are stored and
-how attention reads them (the layout of the bytes decides how fast a step can stream them):
+A cache knows a shape, not a network. ``CacheShape`` is all it learns of the model: layers, KV heads, head dim,
+the dtype K/V arrive in, the device, and for MLA that the values are the keys' first channels. Every cache is
+built as ``Cache(shape, batch_size, capacity, *, its own options)``; ``Cache.for_model(model, batch_size,
+capacity, **options)`` fills in the shape, so ``functools.partial(WindowKVCache.for_model, window=1020)`` is a
+``CacheFactory``.
 
-    start = cache.reserve(n_new)            # once per step, before any layer writes
-    cache.append(layer, k, v)               # per layer: store the new tokens' K/V
-    out = cache.attend(layer, q)            # per layer: attention of the new queries over the cache
+A decode step talks to its cache in three calls, so that a cache decides both how K/V are stored and how
+attention reads them (the layout of the bytes decides how fast a step can stream them):
 
-Every cache also reports its bytes, the quantities the course's formula is about:
-``bytes_stored()``, ``bytes_read_per_step()`` and ``bytes_written_per_step()``.
+    start = cache.reserve(n_new)                    # once per step, before any layer writes
+    cache.append(layer, k, v)                       # per layer: store the new tokens' K/V
+    out = cache.attend(layer, q, window, rotate)    # per layer: the new queries over what the cache keeps
+
+The attention module (``kvlab.attention``) owns the model's rules: it scales and groups the queries, and tells
+the cache the layer's window. A cache stores, evicts, encodes and reads. Every cache reports the quantities the
+course's formula is about: ``bytes_stored()``, ``bytes_read_per_step()`` and ``bytes_written_per_step()``.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvlab.dtypes import KV_DTYPES, canonical_dtype, to_torch
 from kvlab.validation import require_int
+
+if TYPE_CHECKING:
+    from typing import Self
+
+    from kvlab.model import Decoder
+
+FLOAT_DTYPES = ("fp32", "fp16", "bf16")
 
 
 class CacheCapacityError(RuntimeError):
     """Raised before any write when a step would need more slots than the cache has."""
 
 
-class KVCache(ABC):
-    """Per-layer K/V storage for a batch of sequences that advance together.
+@dataclass(frozen=True)
+class CacheShape:
+    """What a cache must know of a model.
 
-    Shapes: ``B`` batch, ``T`` new tokens this step, ``S`` tokens stored, ``Hkv`` KV heads, ``H`` query heads,
-    ``D`` head dim.
+    ``n_kv_heads`` heads of ``head_dim`` per token and layer, arriving as ``dtype`` (a name) on ``device``.
+    ``latent_values``: MLA's latent, seen as one KV head whose value is its key's first ``latent_values`` channels,
+    stored once (``None`` for per-head K/V).
     """
 
     n_layers: int
-    batch_size: int
-    capacity: int
     n_kv_heads: int
     head_dim: int
+    dtype: str = "fp32"
+    device: str = "cpu"
+    latent_values: int | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("n_layers", "n_kv_heads", "head_dim"):
+            require_int(name, getattr(self, name), 1)
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype, "dtype", allowed=FLOAT_DTYPES))
+        object.__setattr__(self, "device", str(torch.device(self.device)))
+        if self.latent_values is not None:
+            require_int("latent_values", self.latent_values, 1)
+            if self.n_kv_heads != 1 or self.latent_values > self.head_dim:
+                raise ValueError(
+                    f"latent_values: {self.latent_values} with {self.n_kv_heads} KV heads of {self.head_dim}; "
+                    "allowed: one KV head (the latent) and latent_values <= head_dim"
+                )
+
+    @classmethod
+    def of(cls, model: Decoder) -> CacheShape:
+        """The shape of ``model``'s cache: its KV heads, or for MLA the latent ``[c_kv | k_rope]``."""
+        cfg = model.cfg
+        device = str(model.device)
+        if cfg.mla is not None:
+            m = cfg.mla
+            return cls(cfg.n_layers, 1, m.kv_lora_rank + m.qk_rope_head_dim, cfg.dtype, device, m.kv_lora_rank)
+        return cls(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.dtype, device)
+
+    @property
+    def value_dim(self) -> int:
+        """Channels of one stored value: ``head_dim``, or the latent's first ``latent_values``."""
+        return self.head_dim if self.latent_values is None else self.latent_values
+
+    @property
+    def elements_per_token(self) -> int:
+        """K and V elements one token of one sequence stores in one layer (a latent's once)."""
+        return self.head_dim if self.latent_values is not None else 2 * self.n_kv_heads * self.head_dim
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return to_torch(self.dtype)
+
+
+def kv_codec(codec: str | None, shape: CacheShape) -> str:
+    """The codec a cache stores K/V in: ``codec`` by name, or the dtype they arrive in."""
+    return canonical_dtype(codec or shape.dtype, "codec", KV_DTYPES)
+
+
+def refuse_window(window: int | None, cache: str, fix: str) -> None:
+    """Raise unless ``window`` is ``None``: for a cache that cannot restrict a step to a sliding window."""
+    if window is not None:
+        raise ValueError(f"window: {window} (a sliding-window layer) is not supported by {cache}; {fix}")
+
+
+class KVCache(ABC):
+    """Per-layer K/V storage for a batch of sequences that advance together.
+
+    Shapes: ``B`` batch, ``T`` new tokens this step, ``S`` tokens stored, ``Hkv`` KV heads, ``G`` query heads per
+    KV head, ``D`` head dim. Subclasses set ``_layer_token_bytes``: K and V bytes one token of one sequence takes
+    in one layer, as stored (scales included).
+    """
+
+    _layer_token_bytes: float
+
+    def __init__(self, shape: CacheShape, batch_size: int = 1, capacity: int | None = None) -> None:
+        if not isinstance(shape, CacheShape):
+            raise ValueError(
+                f"shape: {type(shape).__name__}; allowed: a kvlab.cache.CacheShape (CacheShape.of(model), or "
+                "Cache.for_model(model, ...))"
+            )
+        require_int("batch_size", batch_size, 1)
+        if capacity is not None:
+            require_int("capacity", capacity, 1)
+        self.shape = shape
+        self.n_layers, self.n_kv_heads, self.head_dim = shape.n_layers, shape.n_kv_heads, shape.head_dim
+        self.batch_size, self.capacity = batch_size, capacity
+
+    @classmethod
+    def for_model(cls, model: Decoder, batch_size: int = 1, capacity: int | None = None, **options: Any) -> Self:
+        """A cache shaped for ``model`` (``CacheShape.of(model)``); ``options`` are the cache's own."""
+        return cls(CacheShape.of(model), batch_size, capacity, **options)
+
+    @staticmethod
+    def _required_capacity(capacity: int | None, cache: str) -> int:
+        if capacity is None:
+            raise ValueError(f"capacity: None is not allowed for {cache}; allowed: an integer >= 1 (tokens)")
+        return capacity
+
+    # -- a step --------------------------------------------------------------------------------------------------
     @property
     @abstractmethod
     def length(self) -> int:
@@ -49,34 +154,29 @@ class KVCache(ABC):
         Raises ``CacheCapacityError`` (and changes nothing) when the cache cannot hold them.
         """
 
-    def _claim_slots(self, n_new: int) -> int:
-        """``reserve`` for a cache that fills fixed slots in order: check the room, then advance ``_length``.
-
-        Uses ``self._length`` (tokens stored) and sets ``self._start`` (first slot of this step).
-        """
-        require_int("n_new", n_new)
-        if self._length + n_new > self.capacity:
-            raise CacheCapacityError(
-                f"KV cache full: {self._length} tokens stored, {n_new} more requested, capacity {self.capacity}. "
-                "Create the cache with a larger capacity, or use an eviction policy."
-            )
-        self._start, self._length = self._length, self._length + n_new
-        return self._start
-
     @abstractmethod
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the reserved tokens' keys and values for one layer. ``k``, ``v``: ``[B, T, Hkv, D]``."""
 
     @abstractmethod
-    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """Causal attention of the reserved tokens' queries over every stored token of one layer.
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        window: int | None = None,
+        rotate: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """The reserved tokens' queries over what the cache keeps of one layer, causally.
 
-        ``q``: ``[B, T, H, D]`` (RoPE applied) -> ``[B, T, H, D]``.
+        ``q``: ``[B, Hkv, G, T, D]``, grouped and scaled by the attention module -> ``[B, Hkv, G, T, Dv]``.
+        ``window``: the layer's own sliding window (``None``: global); a cache applies it or raises ``ValueError``.
+        ``rotate(shift)``: ``q`` rotated by RoPE through ``shift`` (``[T]``) positions, for a cache that must score
+        some keys at positions other than the query's own.
         """
 
     @abstractmethod
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stored keys and values of one layer as ``[B, Hkv, S, D]`` each (views where the layout allows)."""
+        """The stored keys and values of one layer as ``[B, Hkv, S, D]``, ``[B, Hkv, S, Dv]`` (float)."""
 
     @abstractmethod
     def reset(self) -> None:
@@ -90,50 +190,98 @@ class KVCache(ABC):
         would leave behind, without the minutes that prefill takes on a CPU. Values are standard normal, so
         softmax sees ordinary numbers. Goes through ``reserve``/``append``, so a policy or codec applies as usual.
         """
-        if n_tokens < 0:
-            raise ValueError(f"n_tokens: {n_tokens}; allowed: an integer >= 0")
-        device = self.device
+        require_int("n_tokens", n_tokens, 0)
+        shape = self.shape
         for done in range(0, n_tokens, chunk):
             n = min(chunk, n_tokens - done)
             self.reserve(n)
-            shape = (self.batch_size, n, self.n_kv_heads, self.head_dim)
+            size = (self.batch_size, n, shape.n_kv_heads, shape.head_dim)
             for layer in range(self.n_layers):
-                k, v = (torch.randn(shape, generator=generator).to(device, self.torch_dtype) for _ in range(2))
+                k = torch.randn(size, generator=generator).to(self.device, self.torch_dtype)
+                v = k[..., : shape.latent_values] if shape.latent_values else torch.randn_like(k)
                 self.append(layer, k, v)
 
     @property
-    @abstractmethod
     def device(self) -> torch.device:
         """Where the cache's tensors live."""
+        return torch.device(self.shape.device)
 
     @property
-    @abstractmethod
     def torch_dtype(self) -> torch.dtype:
         """The dtype K/V arrive in (what ``append`` takes)."""
+        return self.shape.torch_dtype
+
+    # -- bytes ---------------------------------------------------------------------------------------------------
+    @property
+    def bytes_per_token(self) -> float:
+        """Bytes one token of one sequence takes across all layers (K and V, as stored)."""
+        return self.n_layers * self._layer_token_bytes
 
     @property
-    def kv_bytes_per_token(self) -> float:
-        """Bytes one token of one sequence takes across all layers (K and V)."""
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.element_bytes
-
-    @property
-    @abstractmethod
     def element_bytes(self) -> float:
-        """Bytes per stored K or V element."""
+        """Bytes per stored K or V element (scales and zero points included)."""
+        return self._layer_token_bytes / self.shape.elements_per_token
 
     def bytes_stored(self) -> int:
         """Bytes of K/V that live tokens occupy now, for the whole batch."""
-        return round(self.batch_size * self.length * self.kv_bytes_per_token)
+        return round(self.batch_size * self.length * self.bytes_per_token)
 
     def bytes_allocated(self) -> int:
         """Bytes reserved for K/V whether used or not, for the whole batch."""
-        return round(self.batch_size * self.capacity * self.kv_bytes_per_token)
+        return round(self.batch_size * self.capacity * self.bytes_per_token)
 
     def bytes_read_per_step(self, context: int | None = None) -> int:
         """Bytes of K/V one decode step reads when it attends over ``context`` tokens (default: ``length``)."""
         context = self.length if context is None else context
-        return round(self.batch_size * context * self.kv_bytes_per_token)
+        require_int("context", context, 0)
+        return round(self.batch_size * context * self.bytes_per_token)
 
     def bytes_written_per_step(self) -> int:
         """Bytes of K/V one decode step writes: one new token per sequence."""
-        return round(self.batch_size * self.kv_bytes_per_token)
+        return round(self.batch_size * self.bytes_per_token)
+
+
+class SlabKVCache(KVCache):
+    """A cache whose sequences fill slots ``0, 1, 2, ...`` in order and never evict: slot ``i`` holds position ``i``.
+
+    Contiguous, latent and KIVI caches share this bookkeeping: ``_length`` tokens stored, this step's new tokens
+    in slots ``_start .. _length - 1``.
+    """
+
+    def __init__(self, shape: CacheShape, batch_size: int = 1, capacity: int | None = None) -> None:
+        super().__init__(shape, batch_size, self._required_capacity(capacity, type(self).__name__))
+        self._length = 0
+        self._start = 0
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def reserve(self, n_new: int) -> int:
+        """Check the room, then advance: this step's tokens take slots ``_start .. _length - 1``."""
+        require_int("n_new", n_new)
+        if self._length + n_new > self.capacity:
+            raise CacheCapacityError(
+                f"KV cache full: {self._length} tokens stored, {n_new} more requested, capacity {self.capacity}. "
+                "Create the cache with a larger capacity, or use an eviction policy."
+            )
+        self._start, self._length = self._length, self._length + n_new
+        return self._start
+
+    @property
+    def _new_slots(self) -> tuple[slice, slice, slice]:
+        """This step's slots in a ``[B, Hkv, slots]`` grid."""
+        return slice(None), slice(None), slice(self._start, self._length)
+
+    def reset(self) -> None:
+        self._length = 0
+        self._start = 0
+
+
+CacheFactory = Callable[["Decoder", int, int], KVCache]
+"""``make_cache(model, batch_size, capacity) -> KVCache``: how sweeps, quality runs and sessions build caches."""
+
+
+def default_cache(model: Decoder, batch_size: int, capacity: int) -> KVCache:
+    """The cache factory used when none is given: the model's own ``new_cache``."""
+    return model.new_cache(batch_size, capacity)

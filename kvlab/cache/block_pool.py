@@ -32,6 +32,18 @@ def chain_hash(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
     return hash((parent_hash, tokens))
 
 
+def shared_prefix_blocks(tables: Sequence[Sequence[int]]) -> int:
+    """How many leading entries all block tables have in common (the blocks a cascade step reads once)."""
+    if not tables:
+        return 0
+    n = min(len(t) for t in tables)
+    first = tables[0]
+    for i in range(n):
+        if any(t[i] != first[i] for t in tables):
+            return i
+    return n
+
+
 @dataclass(frozen=True)
 class _Entry:
     """What a registered block holds, to verify a hash hit: its tokens and which registration is its parent."""

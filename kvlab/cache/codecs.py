@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.dtypes import TORCH_DTYPES, canonical_dtype
+from kvlab.dtypes import canonical_dtype, to_torch
 from kvlab.validation import require_int
 
 CODECS: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
@@ -156,11 +156,12 @@ class CastCodec(Codec):
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.bits = 8 * TORCH_DTYPES[name].itemsize
+        self._dtype = to_torch(name)
+        self.bits = 8 * self._dtype.itemsize
 
     @property
     def payload_dtype(self) -> torch.dtype:
-        return TORCH_DTYPES[self.name]
+        return self._dtype
 
     def _encode(self, x, group_dim, group_size):
         return x.to(self.payload_dtype), None, None

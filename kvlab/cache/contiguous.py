@@ -2,93 +2,71 @@
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 
 import torch
 
-from kvlab.cache.base import KVCache
-from kvlab.dtypes import canonical_dtype, torch_dtype
-from kvlab.kernels import causal_attention, decode_attention
+from kvlab.cache.base import CacheShape, SlabKVCache, kv_codec
+from kvlab.cache.stores import attend_stores, make_store
 from kvlab.validation import require_int
 
 
-class ContiguousKVCache(KVCache):
+class ContiguousKVCache(SlabKVCache):
     """One slab per layer, sized for ``capacity`` tokens up front, so a step never reallocates or copies.
 
     Keys are stored key-major, ``[B, Hkv, D, capacity]``, so decode's ``q @ K`` streams contiguous runs of tokens;
-    values are token-major, ``[B, Hkv, capacity, D]``, the layout ``p @ V`` streams best.
+    values are token-major, ``[B, Hkv, capacity, D]``, the layout ``p @ V`` streams best. ``codec`` (default: the
+    dtype K/V arrive in) is any of ``kvlab.dtypes.KV_DTYPES``; fp8/int8/int4 store each token's K and V encoded,
+    ``group_size`` channels per scale (``kvlab.cache.stores``). A layer's sliding window is applied as it reads.
     """
 
     def __init__(
         self,
-        n_layers: int,
-        batch_size: int,
-        capacity: int,
-        n_kv_heads: int,
-        head_dim: int,
-        dtype: str | torch.dtype = "fp32",
-        device: str | torch.device = "cpu",
+        shape: CacheShape,
+        batch_size: int = 1,
+        capacity: int | None = None,
+        *,
+        codec: str | None = None,
+        group_size: int = 32,
     ) -> None:
-        for name, value in (
-            ("n_layers", n_layers),
-            ("batch_size", batch_size),
-            ("capacity", capacity),
-            ("n_kv_heads", n_kv_heads),
-            ("head_dim", head_dim),
-        ):
-            require_int(name, value)
-        self.n_layers, self.batch_size, self.capacity = n_layers, batch_size, capacity
-        self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
-        self.dtype_name = canonical_dtype(dtype, "kv dtype", allowed=("fp32", "fp16", "bf16"))
-        tdtype = torch_dtype(self.dtype_name)
-        self._k_t = torch.zeros(n_layers, batch_size, n_kv_heads, head_dim, capacity, dtype=tdtype, device=device)
-        self._v = torch.zeros(n_layers, batch_size, n_kv_heads, capacity, head_dim, dtype=tdtype, device=device)
-        # Per-layer views, made once: indexing a tensor in the hot loop costs microseconds per layer.
-        self._k_layers = list(self._k_t.unbind(0))
-        self._v_layers = list(self._v.unbind(0))
-        self._scale = 1.0 / math.sqrt(head_dim)
-        self._length = 0
-        self._start = 0
-
-    @property
-    def length(self) -> int:
-        return self._length
-
-    @property
-    def element_bytes(self) -> float:
-        return self._k_t.element_size()
-
-    @property
-    def device(self) -> torch.device:
-        return self._k_t.device
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return self._k_t.dtype
-
-    def reserve(self, n_new: int) -> int:
-        return self._claim_slots(n_new)
+        super().__init__(shape, batch_size, capacity)
+        self.codec = kv_codec(codec, shape)
+        lead, slots = (batch_size, shape.n_kv_heads), self.capacity
+        self._keys = [
+            make_store(self.codec, lead, slots, shape.head_dim, shape.torch_dtype, shape.device, True, group_size)
+            for _ in range(shape.n_layers)
+        ]
+        self._values = [
+            make_store(self.codec, lead, slots, shape.head_dim, shape.torch_dtype, shape.device, False, group_size)
+            for _ in range(shape.n_layers)
+        ]
+        self._layer_token_bytes = shape.n_kv_heads * (self._keys[0].slot_bytes + self._values[0].slot_bytes)
+        self._read_windows: list[int | None] = [None] * shape.n_layers  # as the layers last told them
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        end = self._length
-        self._k_layers[layer][..., self._start : end] = k.permute(0, 2, 3, 1)
-        self._v_layers[layer][:, :, self._start : end] = v.transpose(1, 2)
+        self._keys[layer].write(self._new_slots, k.transpose(1, 2))
+        self._values[layer].write(self._new_slots, v.transpose(1, 2))
 
-    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        b, t, h, d = q.shape
-        end = self._length
-        k_t = self._k_layers[layer][..., :end]
-        v = self._v_layers[layer][:, :, :end]
-        if t == 1:
-            out = decode_attention((q * self._scale).view(b, self.n_kv_heads, h // self.n_kv_heads, d), k_t, v)
-            return out.view(b, 1, h, d)
-        out = causal_attention(q.transpose(1, 2), k_t.transpose(-1, -2), v, q_start=self._start)
-        return out.transpose(1, 2)
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        window: int | None = None,
+        rotate: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        self._read_windows[layer] = window
+        return attend_stores(q, self._keys[layer], self._values[layer], self._length, self._start, window)
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        end = self._length
-        return self._k_layers[layer][..., :end].transpose(-1, -2), self._v_layers[layer][:, :, :end]
+        return self._keys[layer].read(self._length), self._values[layer].read(self._length)
 
-    def reset(self) -> None:
-        self._length = 0
-        self._start = 0
+    def bytes_read_per_step(self, context: int | None = None) -> int:
+        """K/V bytes a decode step over ``context`` tokens (default ``length``) reads: a layer that told the cache
+        its sliding window reads at most that many tokens."""
+        context = self.length if context is None else context
+        require_int("context", context, 0)
+        tokens = sum(context if w is None else min(context, w) for w in self._read_windows)
+        return round(self.batch_size * tokens * self._layer_token_bytes)
+
+    def bytes_allocated(self) -> int:
+        return sum(s.nbytes for s in self._keys + self._values)

@@ -9,90 +9,66 @@ Granularity: one score, and one eviction decision, per layer, per sequence and p
 is what eviction frees, and under GQA that row serves G query heads, so the decision cannot be finer than a KV
 head; summing those G heads' attention keeps the row any of them relies on. Coarser (one decision for all heads)
 would force heads that attend to different tokens to share a set. Each KV head thus keeps its own tokens; all
-keep the same number, so the slab stays dense.
+keep the same number, so the store stays dense.
 
 When: a decode step that finds the cache full evicts one token, the lowest-scoring one outside the R-1 newest,
 writes its own token into that slot and attends over the H + R kept tokens. So a step reads H + R tokens, as
 window + sinks reads S + W. This is H2O's algorithm with H heavy and R-1 recent slots (it attends over those plus
 the new token), each eviction deferred to the start of the next step, where it compares the same scores. A
 multi-token step (a prefill) needs its own attention to score its tokens, so it attends over the kept tokens and
-all its new ones, then evicts down to H + R. Exact ties (equal sums of probabilities) are broken arbitrarily.
+all its new ones, then evicts down to H + R: the kept old tokens stay in their slots (as stored, never re-encoded)
+and the new ones that stay fill the freed slots. Exact ties (equal sums of probabilities) are broken arbitrarily.
+
+On a model with sliding-window layers a step masks the kept tokens past the layer's window (they draw no
+attention, so no score) rather than read them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
-from kvlab.cache.policies import PolicyKVCache, attention_with_probs, require_kv_heads
-from kvlab.kernels import window_mask
+from kvlab.cache.base import CacheShape
+from kvlab.cache.policies import FixedSlotsKVCache
+from kvlab.kernels import attention_with_probs, window_mask
 from kvlab.validation import require_int
 
-if TYPE_CHECKING:
-    from kvlab.model import Decoder
 
-# A step view: keys [B, Hkv, D, n], values [B, Hkv, n, D], positions and scores [B, Hkv, n].
-_View = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-class HeavyHitterKVCache(PolicyKVCache):
+class HeavyHitterKVCache(FixedSlotsKVCache):
     """Keep the ``recent`` newest tokens and the ``heavy`` others with the most accumulated attention.
 
-    ``capacity``: the most tokens a sequence may reach (``None``: unbounded). Besides K/V, each kept slot carries
-    an fp32 score and an int64 position; the byte methods count them (``score_bytes_*``).
+    ``capacity``: the most tokens a sequence may reach (``None``: unbounded). ``codec``, ``group_size``: how the
+    kept K/V are stored (``FixedSlotsKVCache``). Besides K/V, each kept slot carries an fp32 score and an int64
+    position per KV head; the byte methods count them (``score_bytes_*``).
     """
 
     def __init__(
         self,
-        n_layers: int,
-        batch_size: int,
-        n_kv_heads: int,
-        head_dim: int,
-        heavy: int,
-        recent: int,
-        capacity: int | None = None,
-        dtype: str | torch.dtype = "fp32",
-        device: str | torch.device = "cpu",
-    ) -> None:
-        require_int("n_layers", n_layers, 1)
-        require_int("heavy", heavy, 0)
-        require_int("recent", recent, 1)  # the newest token must stay: its own query attends to it
-        self.heavy, self.recent = heavy, recent
-        super().__init__(
-            n_layers, batch_size, n_kv_heads, head_dim, [heavy + recent] * n_layers, capacity, dtype, device
-        )
-        shape = (batch_size, n_kv_heads, self._k_t[0].shape[-1])
-        self._scores = [torch.zeros(shape, dtype=torch.float32, device=device) for _ in range(n_layers)]
-        self._positions = [torch.zeros(shape, dtype=torch.int64, device=device) for _ in range(n_layers)]
-        # Multi-token steps whose eviction waits for their attention (or for the next step, if none comes).
-        self._pending: dict[int, _View] = {}
-
-    @classmethod
-    def for_model(
-        cls,
-        model: Decoder,
+        shape: CacheShape,
         batch_size: int = 1,
         capacity: int | None = None,
         *,
         heavy: int,
         recent: int,
-        kv_dtype: str | None = None,
-    ) -> HeavyHitterKVCache:
-        """A cache shaped for ``model``; ``functools.partial(..., heavy=.., recent=..)`` is a cache factory."""
-        require_kv_heads(model)
-        cfg = model.cfg
-        return cls(
-            cfg.n_layers,
-            batch_size,
-            cfg.n_kv_heads,
-            cfg.head_dim,
-            heavy,
-            recent,
-            capacity=capacity,
-            dtype=kv_dtype or model.dtype,
-            device=model.device,
+        codec: str | None = None,
+        group_size: int = 32,
+    ) -> None:
+        super().__init__(shape, batch_size, capacity, codec=codec, group_size=group_size)
+        require_int("heavy", heavy, 0)
+        require_int("recent", recent, 1)  # the newest token must stay: its own query attends to it
+        self.heavy, self.recent = heavy, recent
+        self._allocate([heavy + recent] * self.n_layers)
+        size = (batch_size, self.n_kv_heads, self._keys[0].slots)
+        self._scores = [torch.zeros(size, dtype=torch.float32, device=self.device) for _ in range(self.n_layers)]
+        self._positions = [torch.zeros(size, dtype=torch.int64, device=self.device) for _ in range(self.n_layers)]
+        # Index of every (sequence, KV head) row, for a decode step's one slot per row: [B, 1, 1], [1, Hkv, 1].
+        self._rows = (
+            torch.arange(batch_size, device=self.device)[:, None, None],
+            torch.arange(self.n_kv_heads, device=self.device)[None, :, None],
         )
+        # Multi-token steps' K/V ([B, T, Hkv, D]), whose eviction waits for their attention (or the next step).
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def budget(self) -> int:
@@ -123,60 +99,85 @@ class HeavyHitterKVCache(PolicyKVCache):
         return super().reserve(n_new)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        start, end, t = self._start, self._seen, k.shape[1]
+        if k.shape[1] > 1:
+            self._pending[layer] = (k, v)
+            return
+        start = self._start
         n_old = self.held(layer, start)
         positions, scores = self._positions[layer], self._scores[layer]
-        if t > 1:
-            view_k_t, view_v = self._step_view(layer, torch.arange(n_old, device=self.device), k, v)
-            new_positions = torch.arange(start, end, device=self.device).expand(self.batch_size, self.n_kv_heads, t)
-            self._pending[layer] = (
-                view_k_t,
-                view_v,
-                torch.cat((positions[..., :n_old], new_positions), dim=-1),
-                torch.cat((scores[..., :n_old], scores.new_zeros(self.batch_size, self.n_kv_heads, t)), dim=-1),
-            )
-            return
         if n_old < positions.shape[-1]:
             slot = positions.new_full((self.batch_size, self.n_kv_heads, 1), n_old)
         else:
             slot = self._priority(positions, scores, newest=start).argmin(dim=-1, keepdim=True)  # [B, Hkv, 1]
-        d = self.head_dim
-        self._k_t[layer].scatter_(-1, slot[:, :, None, :].expand(-1, -1, d, -1), k[:, 0, :, :, None])
-        self._v[layer].scatter_(-2, slot[..., None].expand(-1, -1, -1, d), v[:, 0, :, None, :])
-        scores.scatter_(-1, slot, 0.0)
-        positions.scatter_(-1, slot, start)
+        index = (*self._rows, slot)
+        self._write(layer, index, k.transpose(1, 2), v.transpose(1, 2))
+        scores[index] = 0.0
+        positions[index] = start
 
-    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        view = self._pending.pop(layer, None)
-        if view is None:
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        window: int | None = None,
+        rotate: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        pending = self._pending.pop(layer, None)
+        q_positions = torch.arange(self._start, self._seen, device=self.device)
+        if pending is None:
             n = self.held(layer)
-            out, probs = attention_with_probs(self._grouped(q), self._k_t[layer][..., :n], self._v[layer][:, :, :n])
-            self._scores[layer][..., :n] += probs.sum(dim=(2, 3)).float()
-            return self._ungrouped(out)
-        k_t, v, positions, scores = view
-        n_all, t = positions.shape[-1], q.shape[1]
-        columns = torch.arange(n_all, device=self.device)
-        mask = window_mask(columns[n_all - t :], columns)  # the kept tokens precede the new ones: causal by column
-        out, probs = attention_with_probs(self._grouped(q), k_t, v, mask)
+            k, v = self._keys[layer].read(n), self._values[layer].read(n)
+            positions, scores = self._positions[layer][..., :n], self._scores[layer][..., :n]  # views: += lands
+            mask = None if window is None else window_mask(q_positions, positions, window)
+        else:
+            n_old = self.held(layer, self._start)
+            k, v = self._step_view(layer, n_old, *pending)
+            positions, scores = self._step_bookkeeping(layer, n_old)
+            mask = window_mask(q_positions, positions, window)  # [B, Hkv, T, n]: causal, by position
+        out, probs = attention_with_probs(q, k.transpose(-1, -2), v, mask)
         scores += probs.sum(dim=(2, 3)).float()
-        self._commit(layer, view)
-        return self._ungrouped(out)
+        if pending is not None:
+            self._commit(layer, *pending, positions, scores)
+        return out
 
-    def _commit(self, layer: int, view: _View) -> None:
-        """Keep the best ``budget`` tokens of a multi-token step's view, in slots ``0 .. n-1``."""
-        k_t, v, positions, scores = view
-        n = min(positions.shape[-1], self._k_t[layer].shape[-1])
-        keep = self._priority(positions, scores, newest=self._seen - 1).topk(n, dim=-1).indices  # [B, Hkv, n]
-        d = self.head_dim
-        self._k_t[layer][..., :n] = k_t.gather(-1, keep[:, :, None, :].expand(-1, -1, d, -1))
-        self._v[layer][:, :, :n] = v.gather(-2, keep[..., None].expand(-1, -1, -1, d))
-        self._positions[layer][..., :n] = positions.gather(-1, keep)
-        self._scores[layer][..., :n] = scores.gather(-1, keep)
+    def _step_bookkeeping(self, layer: int, n_old: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions and scores of a step view (the kept slots, then this step's tokens at score 0): ``[B, Hkv, n]``."""
+        shape = (self.batch_size, self.n_kv_heads, self._seen - self._start)
+        new = torch.arange(self._start, self._seen, device=self.device).expand(shape)
+        return (
+            torch.cat((self._positions[layer][..., :n_old], new), dim=-1),
+            torch.cat((self._scores[layer][..., :n_old], self._scores[layer].new_zeros(shape)), dim=-1),
+        )
+
+    def _commit(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor
+    ) -> None:
+        """Keep the best ``budget`` tokens of a multi-token step's view (``positions``, ``scores``: ``[B, Hkv, n]``,
+        the kept slots then the step's ``k``, ``v``: ``[B, T, Hkv, D]``).
+
+        A kept old token stays in its slot as stored; each new token that stays takes a slot freed by an evicted
+        one (or an empty one), so only new tokens are encoded, once.
+        """
+        n_old = positions.shape[-1] - k.shape[1]
+        n = min(positions.shape[-1], self._positions[layer].shape[-1])
+        best = self._priority(positions, scores, newest=self._seen - 1).topk(n, dim=-1).indices  # [B, Hkv, n]
+        kept = torch.zeros_like(positions, dtype=torch.bool).scatter_(-1, best, True)
+        free = torch.ones(*positions.shape[:-1], n, dtype=torch.bool, device=self.device)
+        free[..., :n_old] = ~kept[..., :n_old]
+        # Every row has as many free slots as new tokens that stay (n in all), and nonzero lists both row by row,
+        # so the j-th free slot and the j-th kept new token of a row pair up.
+        slot = free.nonzero(as_tuple=True)
+        b, h, i = kept[..., n_old:].nonzero(as_tuple=True)
+        self._scores[layer][..., :n_old] = scores[..., :n_old]
+        self._write(layer, slot, k[b, i, h], v[b, i, h])
+        self._positions[layer][slot] = positions[b, h, n_old + i]
+        self._scores[layer][slot] = scores[b, h, n_old + i]
 
     def _flush(self) -> None:
         """Commit multi-token steps that no attention followed (``fast_fill``): their new tokens score zero."""
         for layer in list(self._pending):
-            self._commit(layer, self._pending.pop(layer))
+            k, v = self._pending.pop(layer)
+            n_old = self.held(layer, self._start)
+            self._commit(layer, k, v, *self._step_bookkeeping(layer, n_old))
 
     def reset(self) -> None:
         super().reset()
@@ -194,8 +195,8 @@ class HeavyHitterKVCache(PolicyKVCache):
         return super().bytes_stored() + self.batch_size * self.n_kv_heads * tokens * self._bookkeeping_bytes
 
     def bytes_allocated(self) -> int:
-        slots = sum(k_t.shape[-1] for k_t in self._k_t)
-        return super().bytes_allocated() + self.batch_size * self.n_kv_heads * slots * self._bookkeeping_bytes
+        bookkeeping = sum(s.numel() for s in self._scores) * self._bookkeeping_bytes
+        return super().bytes_allocated() + bookkeeping
 
     def score_bytes_read_per_step(self, context: int | None = None) -> int:
         """Score bytes a decode step at ``context`` tokens reads, per KV head and layer: the n kept scores it

@@ -4,17 +4,20 @@ Paging lets a server hold many sequences without reserving ``max_seq_len`` slots
 sequences and chat turns share the blocks of a common prefix (lesson 05), and lets a step read a prefix the
 batch shares once (cascade attention, ``cascade=True``).
 
-Layout: keys ``k[l]``: ``[Hkv, D, n_blocks, block_size]`` and values ``v[l]``: ``[Hkv, n_blocks, block_size, D]``
-per layer ``l``; block ``b`` is ``k[l][:, :, b]`` and ``v[l][:, b]``. Inside a block keys are key-major, as in the
-contiguous cache, so ``q @ K`` streams runs of tokens. The block index sits inside the head and dim indices (GPU
-caches put it outermost) so that gathering a sequence's blocks lands directly in the ``[Hkv, D, S]`` layout
-``decode_attention`` takes, in one copy; block-outermost storage needs a second, strided copy to get there.
-A block id covers every layer, so one table per sequence serves them all.
+Layout: per layer, one key store and one value store (``kvlab.cache.stores``) with lead ``(Hkv,)`` and
+``n_blocks x block_size`` slots; block ``b`` is slots ``b * block_size ..``. A block holds whatever the codec
+stores (fp32 values, or int8 codes with their scales), so paging composes with every codec. Float keys are
+key-major, ``[Hkv, D, n_blocks, block_size]`` as a tensor, as in the contiguous cache, so ``q @ K`` streams runs of
+tokens. The block index sits inside the head and dim indices (GPU caches put it outermost) so that gathering a
+sequence's blocks (``take_blocks``) lands directly in the ``[Hkv, D, S]`` layout ``decode_attention`` takes, in
+one copy; block-outermost storage needs a second, strided copy to get there. A block id covers every layer, so
+one table per sequence serves them all.
 
-Reading: this reference gathers a sequence's blocks into scratch and runs the contiguous cache's kernel on it, so
-paged decode equals contiguous decode up to fp32 rounding (the same kernel, over tensors of other sizes and
-strides, which a BLAS may block and sum in another order). A fused paged kernel (vLLM's, FlashInfer's) reads the
-blocks in place; the gather is an extra copy that the byte counts leave out and CPU timings pay for.
+Reading: this reference gathers a sequence's blocks into scratch (decoding them, for fp8/int8/int4) and runs the
+contiguous cache's kernel on it, so paged decode equals contiguous decode up to fp32 rounding (the same kernel,
+over tensors of other sizes and strides, which a BLAS may block and sum in another order). A fused paged kernel
+(vLLM's, FlashInfer's) reads the blocks in place; the gather is an extra copy that the byte counts leave out and
+CPU timings pay for. A layer with a sliding window gathers only the blocks its window reaches.
 
 Prefix hits: the cache can only hash blocks whose token ids it knows, and ``Decoder`` hands a cache no token ids.
 ``begin(prompts)`` tells it the prompts; ``feed_tokens`` tells it the tokens of the next steps (the sampled ones)::
@@ -30,20 +33,15 @@ Prefix hits: the cache can only hash blocks whose token ids it knows, and ``Deco
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 import torch
 
-from kvlab.cache.base import KVCache
-from kvlab.cache.block_pool import BlockPool
-from kvlab.cache.cascade import cascade_decode_attention, shared_prefix_blocks
-from kvlab.dtypes import canonical_dtype, torch_dtype
-from kvlab.kernels import causal_attention, decode_attention
+from kvlab.cache.base import CacheCapacityError, CacheShape, KVCache, kv_codec
+from kvlab.cache.block_pool import BlockPool, shared_prefix_blocks
+from kvlab.cache.stores import make_store
+from kvlab.kernels import attend_slab, cascade_decode_attention, decode_attention
 from kvlab.validation import require_int
-
-if TYPE_CHECKING:
-    from kvlab.model import Decoder
 
 TABLE_ENTRY_BYTES = 4  # block tables are int32, as in vLLM and FlashInfer
 
@@ -51,62 +49,65 @@ TABLE_ENTRY_BYTES = 4  # block tables are int32, as in vLLM and FlashInfer
 class PagedKVCache(KVCache):
     """``n_blocks`` blocks of ``block_size`` tokens, shared by a batch of sequences that advance together.
 
-    The batch starts as ``batch_size`` empty sequences; ``begin`` replaces it (with prefix hits), ``fork``
-    grows it. ``reserve`` raises ``PoolExhaustedError`` (a ``CacheCapacityError``) before changing anything
-    when the pool is short. With ``cascade=True``, a decode step reads the blocks every sequence shares once.
+    ``n_blocks`` defaults to enough blocks for ``batch_size`` sequences of ``capacity`` tokens each. With
+    ``n_blocks`` given, ``capacity`` may be ``None``: a sequence may then grow until the pool runs out (``capacity``
+    reads as the whole pool, ``n_blocks x block_size``); with both given, ``capacity`` caps each sequence.
+    ``codec`` (default: the dtype K/V arrive in) is any of ``kvlab.dtypes.KV_DTYPES``, ``group_size`` channels per
+    scale for fp8/int8/int4.
+
+    The batch starts as ``batch_size`` empty sequences; ``begin`` replaces it (with prefix hits), ``fork`` grows
+    it, so ``batch_size`` follows the batch. ``reserve`` raises ``PoolExhaustedError`` (a ``CacheCapacityError``)
+    before changing anything when the pool is short. With ``cascade=True``, a decode step reads the blocks every
+    sequence shares once.
     """
 
     def __init__(
         self,
-        n_layers: int,
-        n_kv_heads: int,
-        head_dim: int,
-        n_blocks: int,
-        block_size: int = 16,
+        shape: CacheShape,
         batch_size: int = 1,
-        dtype: str | torch.dtype = "fp32",
-        device: str | torch.device = "cpu",
+        capacity: int | None = None,
+        *,
+        block_size: int = 16,
+        n_blocks: int | None = None,
         cascade: bool = False,
+        codec: str | None = None,
+        group_size: int = 32,
     ) -> None:
-        for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim)):
-            require_int(name, value)
-        require_int("batch_size", batch_size)
+        super().__init__(shape, batch_size, capacity)
+        require_int("block_size", block_size)
+        if n_blocks is None:
+            if capacity is None:
+                raise ValueError(
+                    "n_blocks: None with capacity None; allowed: n_blocks (an integer >= 1), or a capacity to size "
+                    "the pool for batch_size sequences of that many tokens"
+                )
+            n_blocks = batch_size * math.ceil(capacity / block_size)
         if not isinstance(cascade, bool):
             raise ValueError(f"cascade: {cascade!r} is not allowed; allowed: True or False")
+        if shape.latent_values is not None:
+            raise ValueError(
+                f"shape.latent_values: {shape.latent_values}; PagedKVCache stores per-head K/V; allowed: None "
+                "(for an MLA model use kvlab.cache.latent.LatentKVCache)"
+            )
         self.pool = BlockPool(n_blocks, block_size)
-        self.n_layers, self.n_kv_heads, self.head_dim, self.cascade = n_layers, n_kv_heads, head_dim, cascade
-        self.dtype_name = canonical_dtype(dtype, "kv dtype", allowed=("fp32", "fp16", "bf16"))
-        tdtype = torch_dtype(self.dtype_name)
-        self._k = torch.zeros(n_layers, n_kv_heads, head_dim, n_blocks, block_size, dtype=tdtype, device=device)
-        self._v = torch.zeros(n_layers, n_kv_heads, n_blocks, block_size, head_dim, dtype=tdtype, device=device)
-        self._k_layers = list(self._k.unbind(0))
-        self._v_layers = list(self._v.unbind(0))
-        # Gathers index dim 1 of these 3-d views: on CPU, index_select on dim 2 of the 4-d K ran several times slower.
-        self._k_rows = [k.view(n_kv_heads * head_dim, n_blocks, block_size) for k in self._k_layers]
-        self._v_rows = [v.view(n_kv_heads, n_blocks, block_size * head_dim) for v in self._v_layers]
-        self._scale = 1.0 / math.sqrt(head_dim)
+        self.cascade = cascade
+        self.codec = kv_codec(codec, shape)
+        self._per_sequence_cap = capacity
+        self.capacity = n_blocks * block_size if capacity is None else capacity
+        slots, dim, dtype, device = n_blocks * block_size, shape.head_dim, shape.torch_dtype, shape.device
+        lead = (shape.n_kv_heads,)
+        self._keys = [
+            make_store(self.codec, lead, slots, dim, dtype, device, True, group_size) for _ in range(shape.n_layers)
+        ]
+        self._values = [
+            make_store(self.codec, lead, slots, dim, dtype, device, False, group_size) for _ in range(shape.n_layers)
+        ]
+        self._layer_token_bytes = shape.n_kv_heads * (self._keys[0].slot_bytes + self._values[0].slot_bytes)
+        self._read_windows: list[int | None] = [None] * shape.n_layers  # as the layers last told them
         self._seq_ids = [self.pool.add_sequence()[0] for _ in range(batch_size)]
         self._pending: list[list[int]] = [[] for _ in range(batch_size)]  # known ids of tokens not yet reserved
         self._start = 0
         self._refresh()
-
-    @classmethod
-    def for_model(
-        cls, model: Decoder, n_blocks: int, block_size: int = 16, batch_size: int = 1, cascade: bool = False
-    ) -> PagedKVCache:
-        """A paged cache with ``model``'s layer count, KV heads, head dim, dtype and device."""
-        cfg = model.cfg
-        return cls(
-            cfg.n_layers,
-            cfg.n_kv_heads,
-            cfg.head_dim,
-            n_blocks,
-            block_size,
-            batch_size,
-            dtype=model.dtype,
-            device=model.device,
-            cascade=cascade,
-        )
 
     # -- shape --------------------------------------------------------------------------------------------------
     @property
@@ -114,29 +115,8 @@ class PagedKVCache(KVCache):
         return self.pool.block_size
 
     @property
-    def batch_size(self) -> int:
-        return len(self._seq_ids)
-
-    @property
-    def capacity(self) -> int:
-        """The most tokens one sequence could hold: the whole pool."""
-        return self.pool.n_blocks * self.block_size
-
-    @property
     def length(self) -> int:
         return self.pool.length(self._seq_ids[0])
-
-    @property
-    def element_bytes(self) -> float:
-        return self._k.element_size()
-
-    @property
-    def device(self) -> torch.device:
-        return self._k.device
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return self._k.dtype
 
     def block_tables(self) -> list[list[int]]:
         """One list of block ids per sequence, in batch order."""
@@ -197,54 +177,66 @@ class PagedKVCache(KVCache):
 
     # -- a step -------------------------------------------------------------------------------------------------
     def reserve(self, n_new: int) -> int:
-        if isinstance(n_new, bool) or not isinstance(n_new, int) or n_new <= 0:
-            raise ValueError(f"n_new: {n_new!r} is not allowed; allowed: a positive integer")
+        require_int("n_new", n_new)
         start = self.length
+        if self._per_sequence_cap is not None and start + n_new > self._per_sequence_cap:
+            raise CacheCapacityError(
+                f"KV cache full: {start} tokens stored, {n_new} more requested, capacity {self.capacity} per "
+                "sequence. Create the cache with a larger capacity (or capacity=None with n_blocks)."
+            )
         known = all(len(p) >= n_new for p in self._pending)
         grant = self.pool.append(self._seq_ids, n_new, [p[:n_new] for p in self._pending] if known else None)
         for src, dst in grant.copies:  # copy-on-write: the block is about to diverge from its other holders
-            self._k[:, :, :, dst] = self._k[:, :, :, src]
-            self._v[:, :, dst] = self._v[:, :, src]
+            src_slots, dst_slots = (slice(b * self.block_size, (b + 1) * self.block_size) for b in (src, dst))
+            for store in self._keys + self._values:
+                store.move(dst_slots, src_slots)
         self._pending = [p[n_new:] if known else [] for p in self._pending]
         self._start = start
         if grant.copies or math.ceil(self.length / self.block_size) != self._table.shape[1]:
             self._refresh()  # most decode steps write into a block the table already lists
         positions = torch.arange(start, start + n_new, device=self.device)
-        self._slot_blocks = self._table[:, positions // self.block_size].long()  # [B, T]
-        self._slot_offsets = positions % self.block_size  # [T]
+        blocks = self._table[:, positions // self.block_size].long()  # [B, T]
+        self._slots = (slice(None), blocks * self.block_size + positions % self.block_size)  # -> [Hkv, B, T]
         return start
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        # (block, offset) index pairs of shape [B, T] select [Hkv, D, B, T] of K and [Hkv, B, T, D] of V.
-        self._k_layers[layer][:, :, self._slot_blocks, self._slot_offsets] = k.permute(2, 3, 0, 1)
-        self._v_layers[layer][:, self._slot_blocks, self._slot_offsets] = v.permute(2, 0, 1, 3)
+        self._keys[layer].write(self._slots, k.permute(2, 0, 1, 3))
+        self._values[layer].write(self._slots, v.permute(2, 0, 1, 3))
 
-    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        b, t, h, d = q.shape
-        if t > 1:
-            k_t, v = self._gather(layer, self._table, self.length)
-            return causal_attention(q.transpose(1, 2), k_t.transpose(-1, -2), v, q_start=self._start).transpose(1, 2)
-        q = (q * self._scale).view(b, self.n_kv_heads, h // self.n_kv_heads, d)
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        window: int | None = None,
+        rotate: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        self._read_windows[layer] = window
+        if q.shape[-2] > 1:
+            return attend_slab(q, *self._gather(layer, self._table, 0, self.length), self._start, window)
+        # Decode: only the blocks holding the window's tokens, [first, length), are gathered.
+        first = 0 if window is None else max(0, self.length - window)
+        skip_blocks = first // self.block_size
         n_shared = self._cascade_blocks()
-        if n_shared:
+        if n_shared > skip_blocks:
             prefix = n_shared * self.block_size
-            prefix_k_t, prefix_v = self._gather(layer, self._table[:1, :n_shared], prefix)
-            suffix_k_t, suffix_v = self._gather(layer, self._table[:, n_shared:], self.length - prefix)
-            out = cascade_decode_attention(q, prefix_k_t[0], prefix_v[0], suffix_k_t, suffix_v)
+            prefix_k_t, prefix_v = self._gather(layer, self._table[:1, skip_blocks:n_shared], first, prefix)
+            suffix = self._gather(layer, self._table[:, n_shared:], prefix, self.length)
+            out = cascade_decode_attention(q[..., 0, :], prefix_k_t[0], prefix_v[0], *suffix)
         else:
-            out = decode_attention(q, *self._gather(layer, self._table, self.length))
-        return out.reshape(b, 1, h, d)
+            out = decode_attention(q[..., 0, :], *self._gather(layer, self._table[:, skip_blocks:], first, self.length))
+        return out.unsqueeze(-2)
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies, ``[B, Hkv, S, D]`` each: the blocks are not contiguous, so there is no view to return."""
-        k_t, v = self._gather(layer, self._table, self.length)
+        k_t, v = self._gather(layer, self._table, 0, self.length)
         return k_t.transpose(-1, -2), v
 
     # -- bytes --------------------------------------------------------------------------------------------------
     @property
     def block_bytes(self) -> int:
-        """K and V bytes of one block across all layers: ``2 x layers x Hkv x D x block_size x element bytes``."""
-        return round(2 * self.n_layers * self.n_kv_heads * self.head_dim * self.block_size * self.element_bytes)
+        """K and V bytes of one block across all layers: ``2 x layers x Hkv x block_size x slot bytes`` (a slot: one
+        token's ``D`` elements of one head, scales included)."""
+        return round(self.block_size * self.bytes_per_token)
 
     def bytes_stored(self) -> int:
         """Blocks the live sequences hold (shared ones once, a partly filled one whole) plus their table entries."""
@@ -253,28 +245,34 @@ class PagedKVCache(KVCache):
         return n_blocks * self.block_bytes + TABLE_ENTRY_BYTES * sum(len(t) for t in tables)
 
     def bytes_allocated(self) -> int:
-        """The pool's K/V slab, allocated up front whether blocks are used or not."""
-        return self.pool.n_blocks * self.block_bytes
+        """The pool's K/V stores, allocated up front whether blocks are used or not."""
+        return sum(s.nbytes for s in self._keys + self._values)
 
     def bytes_read_per_step(self, context: int | None = None) -> int:
         """K/V and block-table bytes a decode step over ``context`` tokens (default ``length``) reads.
 
-        Blocks are read whole (the unused tail of a last block too). Each layer reads the table entries of the
-        blocks it reads. With cascade, the shared blocks and their entries are read once for the batch; without,
-        once per sequence. ``context`` other than ``length`` keeps today's shared prefix, capped at ``context``.
+        Blocks are read whole (the unused tail of a last block too). A layer that told the cache its sliding window
+        reads only the blocks holding the window's tokens. Each layer reads the table entries of the blocks it
+        reads. With cascade, the shared blocks and their entries are read once for the batch; without, once per
+        sequence. ``context`` other than ``length`` keeps today's shared prefix, capped at ``context``.
         """
         context = self.length if context is None else context
-        if isinstance(context, bool) or not isinstance(context, int) or context < 0:
-            raise ValueError(f"context: {context!r}; allowed: an integer >= 0")
+        require_int("context", context, 0)
         per_seq = math.ceil(context / self.block_size)
         shared = min(self._cascade_blocks(), max(context - 1, 0) // self.block_size)
-        n_read = shared + self.batch_size * (per_seq - shared)
-        return n_read * self.block_bytes + self.n_layers * n_read * TABLE_ENTRY_BYTES
+        n_read = 0  # blocks (of one layer) and table entries, summed over layers
+        for window in self._read_windows:
+            skip = 0 if window is None else max(0, context - window) // self.block_size
+            layer_shared = max(0, shared - skip)
+            n_read += layer_shared + self.batch_size * (per_seq - skip - layer_shared)
+        layer_block_bytes = self.block_size * self._layer_token_bytes
+        return round(n_read * layer_block_bytes) + n_read * TABLE_ENTRY_BYTES
 
     # -- internals ----------------------------------------------------------------------------------------------
     def _refresh(self) -> None:
         """Rebuild the per-step view of the tables after the batch or its blocks changed."""
         tables = self.block_tables()
+        self.batch_size = len(tables)
         self._table = torch.tensor(tables, dtype=torch.int32, device=self.device)  # [B, blocks per sequence]
         # The block holding the newest token is never read as shared: the next write would copy it first.
         self._n_shared = min(shared_prefix_blocks(tables), max(self.length - 1, 0) // self.block_size)
@@ -283,12 +281,11 @@ class PagedKVCache(KVCache):
         """Blocks a decode step reads once for the whole batch: 0 unless cascade is on and there is sharing."""
         return self._n_shared if self.cascade and self.batch_size > 1 else 0
 
-    def _gather(self, layer: int, table: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``n_tokens`` of the blocks ``table`` (``[B, n]``) lists, as ``k_t``: ``[B, Hkv, D, n_tokens]``
-        and ``v``: ``[B, Hkv, n_tokens, D]``, the layout ``decode_attention`` takes."""
-        b, n = table.shape
-        hkv, d, span = self.n_kv_heads, self.head_dim, table.shape[1] * self.block_size
-        flat = table.reshape(-1)
-        k_t = self._k_rows[layer].index_select(1, flat).view(hkv, d, b, span).permute(2, 0, 1, 3)
-        v = self._v_rows[layer].index_select(1, flat).view(hkv, b, span, d).transpose(0, 1)
-        return k_t[..., :n_tokens], v[:, :, :n_tokens]
+    def _gather(self, layer: int, table: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions ``start .. end-1`` of the blocks ``table`` (``[B, m]``) lists, its first block being the one
+        that holds ``start``, as ``k_t``: ``[B, Hkv, D, n]`` and ``v``: ``[B, Hkv, n, D]`` (floats)."""
+        lo = start % self.block_size
+        hi = lo + end - start
+        k = self._keys[layer].take_blocks(table, self.block_size)[:, :, lo:hi]
+        v = self._values[layer].take_blocks(table, self.block_size)[:, :, lo:hi]
+        return k.transpose(-1, -2), v

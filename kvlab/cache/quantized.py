@@ -6,10 +6,16 @@ Layout, per layer (``B`` batch, ``Hkv`` KV heads, ``S`` tokens stored, ``D`` hea
   from ``kvlab.cache.codecs`` as ``[B, Hkv, Q, D]``. Keys are grouped per channel (G consecutive tokens share
   each channel's scale, KIVI's answer to outlier channels) or, with ``key_quant="per-token"``, per token (G
   consecutive channels share a scale). Values are always grouped per token.
-- the *residual* holds the newest ``S - Q`` tokens at full precision, in a ring of ``min(capacity, R + G - 1)``
-  slots. A token stays there until the oldest G residual tokens form a whole group and at least ``R`` newer
-  tokens remain; then that group is quantized. So the residual holds ``R .. R + G - 1`` tokens once the cache
-  is longer than ``R``, and a residual of at least ``capacity`` tokens never quantizes anything.
+- the *residual* holds the newest ``S - Q`` tokens as they arrived (the shape's dtype), in a ring of
+  ``min(capacity, R + G - 1)`` slots. A token stays there until the oldest G residual tokens form a whole group
+  and at least ``R`` newer tokens remain; then that group is quantized. So the residual holds ``R .. R + G - 1``
+  tokens once the cache is longer than ``R``, and a residual of at least ``capacity`` tokens never quantizes
+  anything.
+
+KIVI is a codec *layout* tied to append-only storage: its key groups span ``G`` consecutive tokens, so a token
+cannot be encoded alone, nor overwritten or evicted without re-encoding its group. That is why it is a storage of
+its own rather than a codec of ``kvlab.cache.stores`` (whose encoded stores encode each slot alone, so any storage
+or policy can take them): it composes with no window, eviction or paging policy, and refuses a sliding window.
 
 Three attention paths, chosen by ``attention``:
 
@@ -30,60 +36,50 @@ Three attention paths, chosen by ``attention``:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
 
 import torch
 
-from kvlab.cache.base import KVCache
+from kvlab.cache.base import CacheShape, SlabKVCache, refuse_window
 from kvlab.cache.codecs import Codec, Encoded, IntCodec, get_codec
-from kvlab.dtypes import canonical_dtype, torch_dtype
-from kvlab.kernels import causal_attention, decode_attention
+from kvlab.kernels import attend_slab, decode_attention, online_softmax_attention
 from kvlab.validation import require_int
-
-if TYPE_CHECKING:
-    from kvlab.model import Decoder
 
 ATTENTION_PATHS: tuple[str, ...] = ("chunked", "naive", "int-dot")
 KEY_QUANT: tuple[str, ...] = ("per-channel", "per-token")
 _TOKEN_DIM, _CHANNEL_DIM = 2, 3  # dims of a [B, Hkv, S, D] store
 
 
-class QuantizedKVCache(KVCache):
+class QuantizedKVCache(SlabKVCache):
     """KIVI-style quantized K/V (see the module docstring) behind the ``KVCache`` interface.
 
     ``codec``: a name from ``kvlab.cache.codecs.CODECS`` (or a ``Codec``). ``group_size``: G, tokens per key
-    group (per-channel keys) and channels per value group. ``residual``: R, the newest tokens kept at
-    ``residual_dtype``. ``chunk_size``: tokens per chunk the chunked path dequantizes at a time (a multiple of G,
+    group (per-channel keys) and channels per value group. ``residual``: R, the newest tokens kept as they arrive
+    (the shape's dtype). ``chunk_size``: tokens per chunk the chunked path dequantizes at a time (a multiple of G,
     so a chunk owns whole key groups).
     """
 
     def __init__(
         self,
-        n_layers: int,
-        batch_size: int,
-        capacity: int,
-        n_kv_heads: int,
-        head_dim: int,
+        shape: CacheShape,
+        batch_size: int = 1,
+        capacity: int | None = None,
+        *,
         codec: str | Codec = "int8",
         group_size: int = 32,
         residual: int = 128,
         attention: str = "chunked",
         chunk_size: int = 512,
         key_quant: str = "per-channel",
-        residual_dtype: str | torch.dtype = "fp32",
-        device: str | torch.device = "cpu",
     ) -> None:
-        for name, value in (
-            ("n_layers", n_layers),
-            ("batch_size", batch_size),
-            ("capacity", capacity),
-            ("n_kv_heads", n_kv_heads),
-            ("head_dim", head_dim),
-            ("group_size", group_size),
-            ("chunk_size", chunk_size),
-        ):
-            require_int(name, value)
+        super().__init__(shape, batch_size, capacity)
+        if shape.latent_values is not None:
+            raise ValueError(
+                "shape: an MLA latent (latent_values set); allowed: per-head K/V. For MLA use "
+                "LatentKVCache(shape, codec=...), which stores each latent once in any codec"
+            )
+        require_int("group_size", group_size)
+        require_int("chunk_size", chunk_size)
         require_int("residual", residual, 0)
         if chunk_size % group_size:
             raise ValueError(
@@ -99,56 +95,28 @@ class QuantizedKVCache(KVCache):
                 f"attention: 'int-dot' needs codec='int8' and key_quant='per-token' (got {self.codec.name!r}, "
                 f"{key_quant!r}); allowed: {', '.join(ATTENTION_PATHS)}, with 'int-dot' only for those two"
             )
-        self.n_layers, self.batch_size, self.capacity = n_layers, batch_size, capacity
-        self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
         self.group_size, self.residual, self.chunk_size = group_size, residual, chunk_size
         self.attention, self.key_quant = attention, key_quant
-        self.residual_dtype = canonical_dtype(residual_dtype, "residual_dtype", allowed=("fp32", "fp16", "bf16"))
         self._key_dim = _TOKEN_DIM if key_quant == "per-channel" else _CHANNEL_DIM
 
-        store = (batch_size, n_kv_heads, self._n_quantized(capacity), head_dim)
+        capacity, device, n_layers = self.capacity, self.device, shape.n_layers
+        store = (batch_size, shape.n_kv_heads, self._n_quantized(capacity), shape.head_dim)
         self._k = [self.codec.empty(store, self._key_dim, group_size, device) for _ in range(n_layers)]
         self._v = [self.codec.empty(store, _CHANNEL_DIM, group_size, device) for _ in range(n_layers)]
         self._ring_slots = min(capacity, residual + group_size - 1)
-        ring = (n_layers, batch_size, n_kv_heads, self._ring_slots, head_dim)
-        rdtype = torch_dtype(self.residual_dtype)
-        self._ring_k = list(torch.zeros(ring, dtype=rdtype, device=device).unbind(0))
-        self._ring_v = list(torch.zeros(ring, dtype=rdtype, device=device).unbind(0))
+        ring = (n_layers, batch_size, shape.n_kv_heads, self._ring_slots, shape.head_dim)
+        self._ring_k = list(torch.zeros(ring, dtype=self.torch_dtype, device=device).unbind(0))
+        self._ring_v = list(torch.zeros(ring, dtype=self.torch_dtype, device=device).unbind(0))
         # Scratch, allocated once: the chunked path's per-chunk buffers, or the naive path's full copy of a layer.
         scratch_tokens = capacity if attention == "naive" else chunk_size
-        self._scratch = torch.empty(2, batch_size, n_kv_heads, scratch_tokens, head_dim, device=device)
-        self._scale = 1.0 / math.sqrt(head_dim)
+        self._scratch = torch.empty(2, batch_size, shape.n_kv_heads, scratch_tokens, shape.head_dim, device=device)
+        # A whole group's average: G tokens of one sequence in one layer, K and V, over G.
+        self._layer_token_bytes = self._quantized_bytes(group_size) / (group_size * n_layers * batch_size)
         self.reset()
 
-    @classmethod
-    def for_model(
-        cls, model: Decoder, batch_size: int = 1, capacity: int | None = None, *, codec: str = "int8", **options: Any
-    ) -> QuantizedKVCache:
-        """A cache shaped for ``model``, its residual at the model's dtype; ``options`` are ``__init__``'s
-        (``group_size``, ``residual``, ``attention``, ...). ``functools.partial(..., codec="int4")`` is a cache
-        factory."""
-        cfg = model.cfg
-        capacity = cfg.max_seq_len if capacity is None else capacity
-        options.setdefault("residual_dtype", cfg.dtype)
-        shape = (cfg.n_layers, batch_size, capacity, cfg.n_kv_heads, cfg.head_dim)
-        return cls(*shape, codec=codec, device=model.device, **options)
-
     # -- the KVCache interface -----------------------------------------------------------------------------------
-    @property
-    def length(self) -> int:
-        return self._length
-
-    @property
-    def device(self) -> torch.device:
-        return self._scratch.device
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """K/V arrive at ``residual_dtype``: the residual keeps them as they came, until they are quantized."""
-        return self._ring_k[0].dtype
-
     def reserve(self, n_new: int) -> int:
-        self._claim_slots(n_new)
+        super().reserve(n_new)
         self._quant_start, self._quant = self._quant, self._n_quantized(self._length)
         return self._start
 
@@ -170,23 +138,24 @@ class QuantizedKVCache(KVCache):
             for pos, slot, n in self._ring_spans(first, self._length):
                 ring[:, :, slot : slot + n] = x[:, :, pos - s0 : pos - s0 + n]
 
-    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        b, t, h, d = q.shape
-        g = h // self.n_kv_heads
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        window: int | None = None,
+        rotate: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        refuse_window(window, "QuantizedKVCache", "use ContiguousKVCache or WindowKVCache with codec=...")
+        b, hkv, g, t, d = q.shape
         if self.attention == "naive":
             k, v = self._dequantize_into(layer, *self._scratch[:, :, :, : self._length].unbind(0))
-            if t == 1:
-                qs = (q.float() * self._scale).view(b, self.n_kv_heads, g, d)
-                return decode_attention(qs, k.transpose(-1, -2), v).view(b, 1, h, d).to(q.dtype)
-            return causal_attention(q.float().transpose(1, 2), k, v, q_start=self._start).transpose(1, 2).to(q.dtype)
-        # Rows of the query matrix are (query head in group, new token): [B, Hkv, g * t, D].
-        qs = (q.float() * self._scale).view(b, t, self.n_kv_heads, g, d).permute(0, 2, 3, 1, 4).reshape(b, -1, g * t, d)
+            return attend_slab(q.float(), k.transpose(-1, -2), v, self._start).to(q.dtype)
         if self.attention == "int-dot" and t == 1:
-            out = self._attend_int_dot(layer, qs)
-        else:
-            q_pos = torch.arange(self._start, self._length, device=q.device).repeat(g)
-            out = online_softmax_attention(qs, self._chunks(layer), q_pos)
-        return out.view(b, self.n_kv_heads, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h, d).to(q.dtype)
+            return self._attend_int_dot(layer, q[..., 0, :].float()).unsqueeze(-2).to(q.dtype)
+        # Rows of the query matrix are (query head in group, new token): [B, Hkv, G * T, D].
+        q_pos = torch.arange(self._start, self._length, device=q.device).repeat(g)
+        out = online_softmax_attention(q.float().reshape(b, hkv, g * t, d), self._chunks(layer), q_pos)
+        return out.view(b, hkv, g, t, d).to(q.dtype)
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized copies (not views: the stored form is compressed), ``[B, Hkv, S, D]`` fp32 each."""
@@ -196,15 +165,10 @@ class QuantizedKVCache(KVCache):
         )
 
     def reset(self) -> None:
-        self._length = self._start = self._quant = self._quant_start = 0
+        super().reset()
+        self._quant = self._quant_start = 0
 
     # -- bytes ----------------------------------------------------------------------------------------------------
-    @property
-    def element_bytes(self) -> float:
-        """Bytes per K or V element once quantized, scales and zero points included (a whole group's average)."""
-        g = self.group_size
-        return self._quantized_bytes(g) / (2 * self.n_layers * self.batch_size * self.n_kv_heads * g * self.head_dim)
-
     def bytes_stored(self) -> int:
         """Payload + scales + zero points of the quantized tokens, plus the full-precision residual tokens."""
         return self._stored_bytes(self._length)
@@ -250,7 +214,7 @@ class QuantizedKVCache(KVCache):
         return self.n_layers * per_layer
 
     def _residual_bytes(self, n_tokens: int) -> int:
-        itemsize = torch_dtype(self.residual_dtype).itemsize
+        itemsize = self.torch_dtype.itemsize
         return 2 * self.n_layers * self.batch_size * self.n_kv_heads * n_tokens * self.head_dim * itemsize
 
     def _stored_bytes(self, n_tokens: int) -> int:
@@ -315,35 +279,6 @@ class QuantizedKVCache(KVCache):
             out.add_(torch.matmul(p[..., start : start + v.shape[2]], v.float()))
             start += v.shape[2]
         return out
-
-
-def online_softmax_attention(
-    q: torch.Tensor, chunks: Iterator[tuple[torch.Tensor, torch.Tensor, int]], q_pos: torch.Tensor
-) -> torch.Tensor:
-    """Causal attention over keys and values that arrive a chunk at a time (FlashAttention's running softmax).
-
-    ``q``: ``[B, Hkv, M, D]``, already scaled by ``1/sqrt(D)``; ``q_pos``: ``[M]``, each row's position.
-    ``chunks``: ``(k, v, start)`` with ``k``, ``v``: ``[B, Hkv, n, D]`` at positions ``start .. start+n-1``, in
-    position order, the first holding position 0 (so every row sees a key in the first chunk and its running max
-    is finite from then on). Returns ``[B, Hkv, M, D]``.
-    """
-    row_max = torch.full((*q.shape[:-1], 1), -math.inf, device=q.device)
-    row_sum = torch.zeros_like(row_max)
-    acc = torch.zeros_like(q)
-    first_query = int(q_pos.min())
-    for k, v, start in chunks:
-        scores = torch.matmul(q, k.transpose(-1, -2))
-        n = k.shape[-2]
-        if start + n - 1 > first_query:
-            key_pos = torch.arange(start, start + n, device=q.device)
-            scores.masked_fill_(key_pos[None, :] > q_pos[:, None], -math.inf)
-        new_max = torch.maximum(row_max, scores.amax(dim=-1, keepdim=True))
-        correction = torch.exp(row_max - new_max)
-        p = torch.exp(scores.sub_(new_max))
-        row_sum = row_sum * correction + p.sum(dim=-1, keepdim=True)
-        acc = acc * correction + torch.matmul(p, v)
-        row_max = new_max
-    return acc / row_sum
 
 
 def int8_key_scores(qs: torch.Tensor, keys: Encoded, codec: IntCodec) -> torch.Tensor:

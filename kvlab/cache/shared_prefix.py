@@ -9,50 +9,48 @@ once per step for the whole batch::
     model.prefill(prompt[None], cache)          # batch of one: the shared prompt
     cache.branch()                              # from here on, batch_size == 8
     logits = model.decode_step(first_tokens, cache)
+
+Both slabs are ``ContiguousKVCache`` s, so any codec works; with fp8/int8/int4 a step decodes the slabs it reads
+into full-precision scratch (``read``) before the cascade kernel, rather than streaming them chunk by chunk.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
-from kvlab.cache.base import KVCache
-from kvlab.cache.cascade import cascade_decode_attention
+from kvlab.cache.base import CacheShape, KVCache
 from kvlab.cache.contiguous import ContiguousKVCache
-from kvlab.kernels import causal_attention
+from kvlab.kernels import attend_slab, cascade_decode_attention
 from kvlab.validation import require_int
-
-if TYPE_CHECKING:
-    from kvlab.model import Decoder
 
 
 class SharedPrefixKVCache(KVCache):
     """Until ``branch()``: one sequence, the shared prefix. After: ``batch_size`` sequences continuing it.
 
-    ``capacity`` counts the prefix and one sequence's continuation, like a contiguous cache's.
+    ``capacity`` counts the prefix and one sequence's continuation, like a contiguous cache's. ``batch_size`` is 1
+    until ``branch()``. ``codec`` and ``group_size`` are ``ContiguousKVCache``'s, for both slabs.
     """
 
     def __init__(
         self,
-        n_layers: int,
-        batch_size: int,
-        capacity: int,
-        n_kv_heads: int,
-        head_dim: int,
-        dtype: str | torch.dtype = "fp32",
-        device: str | torch.device = "cpu",
+        shape: CacheShape,
+        batch_size: int = 1,
+        capacity: int | None = None,
+        *,
+        codec: str | None = None,
+        group_size: int = 32,
     ) -> None:
-        require_int("batch_size", batch_size)
-        self.prefix = ContiguousKVCache(n_layers, 1, capacity, n_kv_heads, head_dim, dtype, device)
-        self.n_layers, self.capacity, self.n_kv_heads, self.head_dim = n_layers, capacity, n_kv_heads, head_dim
+        super().__init__(shape, batch_size, self._required_capacity(capacity, "SharedPrefixKVCache"))
+        self._options = dict(codec=codec, group_size=group_size)
+        self.prefix = ContiguousKVCache(shape, 1, self.capacity, **self._options)
+        self.codec = self.prefix.codec
+        self._layer_token_bytes = self.prefix.bytes_per_token / shape.n_layers
         self._branch_batch = batch_size
+        self._read_windows: list[int | None] = [None] * shape.n_layers  # as the layers last told them
         self.suffix: ContiguousKVCache | None = None
-
-    @classmethod
-    def for_model(cls, model: Decoder, batch_size: int, capacity: int) -> SharedPrefixKVCache:
-        cfg = model.cfg
-        return cls(cfg.n_layers, batch_size, capacity, cfg.n_kv_heads, cfg.head_dim, model.dtype, model.device)
+        self.batch_size = 1
 
     def branch(self) -> None:
         """Freeze the prefix; later tokens are each sequence's own."""
@@ -60,40 +58,19 @@ class SharedPrefixKVCache(KVCache):
             raise RuntimeError("branch: already branched; call reset() to start a new prefix")
         if self.prefix.length == 0:
             raise RuntimeError("branch: the prefix is empty; prefill the shared prompt first")
-        p = self.prefix
-        self.suffix = ContiguousKVCache(
-            self.n_layers,
-            self._branch_batch,
-            self.capacity - p.length,
-            self.n_kv_heads,
-            self.head_dim,
-            p.torch_dtype,
-            p.device,
-        )
+        if self.prefix.length == self.capacity:
+            raise RuntimeError(f"branch: the prefix fills the capacity ({self.capacity}); build a larger cache")
+        room = self.capacity - self.prefix.length
+        self.suffix = ContiguousKVCache(self.shape, self._branch_batch, room, **self._options)
+        self.batch_size = self._branch_batch
 
     @property
     def _active(self) -> ContiguousKVCache:
         return self.prefix if self.suffix is None else self.suffix
 
     @property
-    def batch_size(self) -> int:
-        return self._active.batch_size
-
-    @property
     def length(self) -> int:
         return self.prefix.length + (0 if self.suffix is None else self.suffix.length)
-
-    @property
-    def element_bytes(self) -> float:
-        return self.prefix.element_bytes
-
-    @property
-    def device(self) -> torch.device:
-        return self.prefix.device
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return self.prefix.torch_dtype
 
     def reserve(self, n_new: int) -> int:
         offset = 0 if self.suffix is None else self.prefix.length
@@ -102,26 +79,32 @@ class SharedPrefixKVCache(KVCache):
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self._active.append(layer, k, v)
 
-    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        window: int | None = None,
+        rotate: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        self._read_windows[layer] = window
         if self.suffix is None:
-            return self.prefix.attend(layer, q)
-        b, t, h, d = q.shape
-        prefix_k, prefix_v = self.prefix.read(layer)
-        suffix_k, suffix_v = self.suffix.read(layer)
-        if t == 1:
-            grouped = (q * self.head_dim**-0.5).view(b, self.n_kv_heads, h // self.n_kv_heads, d)
-            out = cascade_decode_attention(
-                grouped, prefix_k[0].transpose(-1, -2), prefix_v[0], suffix_k.transpose(-1, -2), suffix_v
-            )
-            return out.reshape(b, 1, h, d)
-        # Several new tokens (a per-sequence prompt after the shared one): attend over prefix + suffix, copied.
-        k = torch.cat((prefix_k.expand(b, -1, -1, -1), suffix_k), dim=2)
-        v = torch.cat((prefix_v.expand(b, -1, -1, -1), suffix_v), dim=2)
-        start = self.length - t
-        return causal_attention(q.transpose(1, 2), k, v, q_start=start).transpose(1, 2)
+            return self.prefix.attend(layer, q, window)
+        if q.shape[-2] > 1:
+            # Several new tokens (a per-sequence prompt after the shared one): attend over prefix + suffix, copied.
+            k, v = self.read(layer)
+            return attend_slab(q, k.transpose(-1, -2), v, self.length - q.shape[-2], window)
+        # Decode: the prefix tokens the window reaches, read once for the batch, merged with each suffix's.
+        n_prefix = self.prefix.length
+        first = 0 if window is None else max(0, self.length - window)
+        prefix_k, prefix_v = (x[0, :, min(first, n_prefix) :] for x in self.prefix.read(layer))
+        suffix_k, suffix_v = (x[:, :, max(0, first - n_prefix) :] for x in self.suffix.read(layer))
+        out = cascade_decode_attention(
+            q[..., 0, :], prefix_k.transpose(-1, -2), prefix_v, suffix_k.transpose(-1, -2), suffix_v
+        )
+        return out.unsqueeze(-2)
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each sequence's whole K/V, ``[B, Hkv, S, D]``: a copy, since the prefix exists once."""
+        """Each sequence's whole K/V, ``[B, Hkv, S, D]``: a copy once branched, since the prefix exists once."""
         prefix_k, prefix_v = self.prefix.read(layer)
         if self.suffix is None:
             return prefix_k, prefix_v
@@ -135,6 +118,7 @@ class SharedPrefixKVCache(KVCache):
     def reset(self) -> None:
         self.prefix.reset()
         self.suffix = None
+        self.batch_size = 1
 
     def bytes_stored(self) -> int:
         return self.prefix.bytes_stored() + (0 if self.suffix is None else self.suffix.bytes_stored())
@@ -143,7 +127,13 @@ class SharedPrefixKVCache(KVCache):
         return self.prefix.bytes_allocated() + (0 if self.suffix is None else self.suffix.bytes_allocated())
 
     def bytes_read_per_step(self, context: int | None = None) -> int:
-        """The prefix once for the whole batch, plus each sequence's own tokens up to ``context``."""
+        """The prefix once for the whole batch, plus each sequence's own tokens, up to ``context`` (default
+        ``length``); a layer that told the cache its sliding window reads only the tokens in it."""
         context = self.length if context is None else context
-        shared = min(context, self.prefix.length)
-        return round((shared + self.batch_size * (context - shared)) * self.kv_bytes_per_token)
+        require_int("context", context, 0)
+        shared_end = min(context, self.prefix.length)
+        tokens = 0
+        for window in self._read_windows:
+            first = 0 if window is None else max(0, context - window)
+            tokens += max(0, shared_end - first) + self.batch_size * (context - max(first, shared_end))
+        return round(tokens * self._layer_token_bytes)

@@ -16,35 +16,33 @@ Paths:
 - ``int8 chunked per-token``: as above with keys grouped per token, the grouping the integer path needs.
 - ``int8 int-dot``: integer q.k on the int8 codes (``torch._int_mm``), values dequantized per chunk.
 
-Not a test: timings on a shared machine vary; run it a few times. ``python bench/codec_paths.py --help``.
+Not a test: timings on a shared machine vary; run it a few times. ``python benchmarks/codec_paths.py --help``.
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
-from kvlab.cache.base import KVCache
+from kvlab.cache.base import CacheShape, KVCache
 from kvlab.cache.contiguous import ContiguousKVCache
 from kvlab.cache.quantized import QuantizedKVCache
-from kvlab.roofline import measure_bandwidth
+from kvlab.timing import cpu_name, measure_bandwidth, time_call
 
 
-def paths(group_size: int, chunk_size: int, residual: int) -> dict[str, Callable[..., KVCache]]:
-    """Cache factories ``(n_layers, batch, capacity, n_kv_heads, head_dim) -> KVCache``, by path name."""
+def paths(group_size: int, chunk_size: int, residual: int) -> dict[str, Callable[[CacheShape, int, int], KVCache]]:
+    """Cache factories ``(shape, batch_size, capacity) -> KVCache``, by path name."""
 
     def quantized(**kw):
-        return lambda *shape: QuantizedKVCache(
-            *shape, group_size=group_size, chunk_size=chunk_size, residual=residual, **kw
+        return lambda *args: QuantizedKVCache(
+            *args, group_size=group_size, chunk_size=chunk_size, residual=residual, **kw
         )
 
     return {
-        "fp32": lambda *shape: ContiguousKVCache(*shape),
+        "fp32": ContiguousKVCache,
         "int8 naive": quantized(codec="int8", attention="naive"),
         "int8 chunked": quantized(codec="int8"),
         "int4 chunked": quantized(codec="int4"),
@@ -56,27 +54,24 @@ def paths(group_size: int, chunk_size: int, residual: int) -> dict[str, Callable
 def time_steps(cache: KVCache, n_heads: int, steps: int, flush: torch.Tensor) -> list[float]:
     """Seconds per decode step (``reserve``, then ``append`` + ``attend`` per layer), one warm-up step first."""
     gen = torch.Generator().manual_seed(1)
-    q = torch.randn(cache.batch_size, 1, n_heads, cache.head_dim, generator=gen)
+    # one new token's queries grouped by the KV head they share, pre-scaled as the attention module does
+    groups = n_heads // cache.n_kv_heads
+    q = torch.randn(cache.batch_size, cache.n_kv_heads, groups, 1, cache.head_dim, generator=gen) * cache.head_dim**-0.5
     kv = torch.randn(cache.batch_size, 1, cache.n_kv_heads, cache.head_dim, generator=gen)
-    times = []
-    for i in range(steps + 1):
-        flush.sum()  # evict the cache's bytes from the LLC, as a step's weights would
-        t0 = time.perf_counter()
+
+    def step() -> None:
         cache.reserve(1)
         for layer in range(cache.n_layers):
             cache.append(layer, kv, kv)
             cache.attend(layer, q)
+
+    times = []
+    for i in range(steps + 1):
+        flush.sum()  # evict the cache's bytes from the LLC, as a step's weights would
+        (seconds,) = time_call(step, 1, warmup=0, device=cache.device)
         if i:
-            times.append(time.perf_counter() - t0)
+            times.append(seconds)
     return times
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def main() -> None:
@@ -112,7 +107,8 @@ def main() -> None:
     for context in args.contexts:
         baseline = None
         for name in names:
-            cache = factories[name](args.layers, 1, context + args.steps + 1, args.kv_heads, args.head_dim)
+            shape = CacheShape(args.layers, args.kv_heads, args.head_dim)
+            cache = factories[name](shape, 1, context + args.steps + 1)
             cache.fast_fill(context, generator=torch.Generator().manual_seed(0))
             times = time_steps(cache, args.heads, args.steps, flush)
             ms = statistics.median(times) * 1e3

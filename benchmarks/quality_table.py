@@ -1,7 +1,7 @@
 """Perplexity and needle recall of the shipped checkpoint under each KV-cache policy, one row per policy and context.
 
-    python bench/quality_table.py                                  # every policy at contexts 512 and 1024
-    python bench/quality_table.py --policies full 'window-64*' --trials 50 --json quality.json
+    python benchmarks/quality_table.py                                  # every policy at contexts 512 and 1024
+    python benchmarks/quality_table.py --policies full 'window-64*' --trials 50 --json quality.json
 
 A policy is a name and a ``make_cache(model, batch_size, capacity) -> KVCache`` factory; ``POLICIES`` holds the
 full cache, windows with and without sinks under both position schemes, H2O at several budgets, and the fp8,
@@ -16,15 +16,16 @@ import argparse
 import fnmatch
 import json
 import math
-import time
 from functools import partial
 from pathlib import Path
 
+from kvlab.cache.base import CacheFactory, default_cache
 from kvlab.cache.heavy_hitters import HeavyHitterKVCache
 from kvlab.cache.quantized import QuantizedKVCache
 from kvlab.cache.window import WindowKVCache
 from kvlab.pretrained import heldout_tokens, list_pretrained, load_pretrained
-from kvlab.quality import CHANCE, CacheFactory, full_cache, needle_recall, perplexity
+from kvlab.quality import CHANCE, needle_recall, perplexity
+from kvlab.timing import Stopwatch
 
 WINDOWS = (64, 128, 256)
 SINKS = 4
@@ -34,7 +35,7 @@ CODECS = ("fp8", "int8", "int4")
 
 def policies() -> dict[str, CacheFactory]:
     """Every row of the table. With no sinks the two position schemes coincide, so that row appears once."""
-    rows: dict[str, CacheFactory] = {"full": full_cache}
+    rows: dict[str, CacheFactory] = {"full": default_cache}
     for w in WINDOWS:
         rows[f"window-{w}"] = partial(WindowKVCache.for_model, window=w)
         for scheme in ("original", "reassigned"):
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     for policy in chosen:
         make_cache = POLICIES[policy]
         for context in args.contexts:
-            start = time.perf_counter()
+            watch = Stopwatch(model.device)
             ppl = perplexity(model, tokens, context=context, make_cache=make_cache, **common)
             needles = needle_recall(
                 model, [context], args.depths, n_trials=args.trials, make_cache=make_cache, seed=args.seed, **common
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
                     "recall": {n.depth: n.accuracy for n in needles},
                     "recall_mean": sum(n.accuracy for n in needles) / len(needles),
                     "answer_prob_mean": sum(n.answer_prob for n in needles) / len(needles),
-                    "seconds": time.perf_counter() - start,
+                    "seconds": watch.elapsed(),
                 }
             )
     print(

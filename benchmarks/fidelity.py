@@ -1,9 +1,9 @@
 """How closely does measured TPOT follow bytes / bandwidth on this machine, and how does kvlab compare to its peer?
 
-    python bench/fidelity.py                 # cpu-small, contexts 2k..32k, plus the transformers comparison
-    python bench/fidelity.py --quick         # small sizes, a smoke run
-    python bench/fidelity.py --threads 1     # what a learner's one-thread lesson sees
-    python bench/fidelity.py --json out.json --plot out.png
+    python benchmarks/fidelity.py                 # cpu-small, contexts 2k..32k, plus the transformers comparison
+    python benchmarks/fidelity.py --quick         # small sizes, a smoke run
+    python benchmarks/fidelity.py --threads 1     # what a learner's one-thread lesson sees
+    python benchmarks/fidelity.py --json out.json --plot out.png
 
 Prints three things, each measured in this one process:
 1. the machine's copy and read bandwidth, with torch's thread count (and at one thread, where that differs);
@@ -22,18 +22,19 @@ A benchmark, not a test: timings on a shared machine vary. Run it on an idle one
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
-import time
 import warnings
 
 import torch
 
 from kvlab import Decoder, get_model
-from kvlab.bench import environment, sweep_context
+from kvlab.bench import sweep_context
 from kvlab.cli import parse_tokens
-from kvlab.roofline import Bandwidth, bandwidth_buffer_mb, measure_bandwidth, predict_tpot_ms
+from kvlab.roofline import predict_tpot_ms
+from kvlab.timing import Bandwidth, bandwidth_buffer_mb, machine_info, measure_bandwidth, time_interleaved
 
 
 def compare_with_transformers(model: Decoder, context: int, steps: int) -> dict[str, float]:
@@ -57,12 +58,14 @@ def compare_with_transformers(model: Decoder, context: int, steps: int) -> dict[
         for cache in (static, dynamic):
             hf(input_ids=prompt, past_key_values=cache, use_cache=True, cache_position=torch.arange(context - 1))
 
-        def kvlab_step(i: int) -> None:
+        def kvlab_step() -> None:
             model.decode_step(torch.zeros(1, dtype=torch.long), ours)
 
         def hf_step(cache):
-            def step(i: int) -> None:
-                pos = torch.tensor([context - 1 + i])
+            positions = itertools.count(context - 1)
+
+            def step() -> None:
+                pos = torch.tensor([next(positions)])
                 hf(
                     input_ids=torch.zeros(1, 1, dtype=torch.long),
                     past_key_values=cache,
@@ -73,14 +76,8 @@ def compare_with_transformers(model: Decoder, context: int, steps: int) -> dict[
             return step
 
         runners = {"kvlab": kvlab_step, "hf_static": hf_step(static), "hf_dynamic": hf_step(dynamic)}
-        times: dict[str, list[float]] = {name: [] for name in runners}
-        for i in range(steps + 2):  # the first two rounds warm up
-            for name, step in runners.items():
-                t0 = time.perf_counter()
-                step(i)
-                if i >= 2:
-                    times[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
+        times = time_interleaved(runners, steps, warmup=2, device=model.device)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def one_thread_bandwidth(device: torch.device, size_mb: float) -> Bandwidth:
@@ -120,7 +117,7 @@ def main() -> None:
     cfg = get_model(args.preset)
     cfg = cfg.replace(max_seq_len=max(cfg.max_seq_len, max(contexts + peer_contexts) + 64))
     model = Decoder(cfg, device=args.device)
-    print("environment:", json.dumps(environment()))
+    print("environment:", json.dumps(machine_info()))
 
     size_mb = bandwidth_buffer_mb(quick=args.quick)
     bw = measure_bandwidth(model.device, size_mb=size_mb)

@@ -1,7 +1,7 @@
 """Each mitigation's measured effect on decode time next to the byte ratio it predicts, on this machine.
 
-    python bench/mitigations.py            # cpu-small, contexts up to 32k
-    python bench/mitigations.py --quick    # cpu-tiny, short contexts (a smoke run)
+    python benchmarks/mitigations.py            # cpu-small, contexts up to 32k
+    python benchmarks/mitigations.py --quick    # cpu-tiny, short contexts (a smoke run)
 
 For every row the slope of TPOT against context (µs per token of context) is measured with ``kvlab.bench`` and
 compared with full fp32 MHA measured in the same process; the predicted ratio is the cache's own
@@ -18,18 +18,17 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
 from kvlab import Decoder, get_model
-from kvlab.bench import environment, sweep_context
+from kvlab.bench import sweep_context
 from kvlab.cache import PagedKVCache, WindowKVCache
 from kvlab.cache.base import KVCache
 from kvlab.cache.shared_prefix import SharedPrefixKVCache
 from kvlab.cli import parse_tokens
-from kvlab.roofline import bandwidth_buffer_mb, measure_bandwidth
+from kvlab.timing import bandwidth_buffer_mb, machine_info, measure_bandwidth, time_interleaved
 
 MakeCache = Callable[[Decoder, int, int], KVCache]
 
@@ -74,14 +73,9 @@ def shared_prefix_steps(model: Decoder, prefix: int, batch: int, steps: int) -> 
     shared.branch()
     caches["shared prefix, cascade"] = shared
     tokens = torch.zeros(batch, dtype=torch.long)
-    times: dict[str, list[float]] = {name: [] for name in caches}
-    for i in range(steps + 1):  # the first round warms up
-        for name, cache in caches.items():
-            t0 = time.perf_counter()
-            model.decode_step(tokens, cache)
-            if i:
-                times[name].append((time.perf_counter() - t0) * 1e3)
-    out = {name: statistics.median(t) for name, t in times.items()}
+    steps_of = {name: functools.partial(model.decode_step, tokens, cache) for name, cache in caches.items()}
+    times = time_interleaved(steps_of, steps, warmup=1, device=model.device)
+    out = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     out["bytes"] = {name: cache.bytes_read_per_step() for name, cache in caches.items()}
     return out
 
@@ -103,7 +97,7 @@ def main() -> None:
     window = parse_tokens(args.window, "--window")
     base = get_model(args.preset)
     base = base.replace(max_seq_len=max(base.max_seq_len, max(contexts) + 64))
-    print("environment:", environment())
+    print("environment:", machine_info())
     bw = measure_bandwidth("cpu", size_mb=bandwidth_buffer_mb(quick=args.quick))
     print(f"bandwidth: read {bw.read_gbps:.1f} GB/s, copy {bw.copy_gbps:.1f} GB/s, {bw.threads} thread(s)\n")
 

@@ -1,9 +1,9 @@
 """Where one decode step's time goes, from the command line (``kvlab.breakdown`` holds the measurement).
 
-    python bench/decode_breakdown.py                       # cpu-small, context 2048, torch's thread count
-    python bench/decode_breakdown.py --threads 1 --context 16
-    python bench/decode_breakdown.py --threads 1 --clock thread   # CPU time only: steadier on a loaded machine
-    python bench/decode_breakdown.py --json out.json
+    python benchmarks/decode_breakdown.py                       # cpu-small, context 2048, torch's thread count
+    python benchmarks/decode_breakdown.py --threads 1 --context 16
+    python benchmarks/decode_breakdown.py --threads 1 --clock thread   # CPU time only: steadier on a loaded machine
+    python benchmarks/decode_breakdown.py --json out.json
 
 A benchmark, not a test: say how loaded the machine was.
 """
@@ -16,9 +16,9 @@ import json
 import torch
 
 from kvlab import Decoder, get_model
-from kvlab.bench import environment
-from kvlab.breakdown import CLOCKS, breakdown, report
+from kvlab.breakdown import breakdown, report
 from kvlab.cli import parse_tokens
+from kvlab.timing import CLOCKS, machine_info
 
 
 def main() -> None:
@@ -42,7 +42,7 @@ def main() -> None:
     cfg = get_model(args.preset)
     cfg = cfg.replace(max_seq_len=max(cfg.max_seq_len, context + args.repeats + 8))
     model = Decoder(cfg, device="cpu")
-    print("environment:", json.dumps(environment()))
+    print("environment:", json.dumps(machine_info()))
     result = breakdown(model, context, args.repeats, args.clock)
     print(
         f"{cfg.name}, context {context}..{result['context_end']}, {torch.get_num_threads()} thread(s), "
@@ -53,7 +53,7 @@ def main() -> None:
     print("\n".join(report(result)))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"environment": environment(), **result}, f, indent=2)
+            json.dump({"environment": machine_info(), **result}, f, indent=2)
 
 
 if __name__ == "__main__":

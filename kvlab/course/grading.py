@@ -1,0 +1,193 @@
+"""What every lesson's checkers share: quick mode, the lesson setup, calling the learner's function, comparing its
+answer, wording the failure, and measuring again before a timing is judged.
+
+A wrong answer raises ``AssertionError`` whose message names the quantity, the form expected (units, an integer
+number of bytes, ...) and what to fix. Exact arithmetic is compared exactly, against ``kvlab``'s own functions.
+Measured quantities are never compared with one machine's timings: a checker asks instead whether an answer is
+consistent with the learner's own measurements, and whether a ratio lies in a band wide enough for any machine
+(each band says why it is that wide).
+
+Every checker of a function takes ``cases`` (inputs to try) and ``reveal`` (whether a failure message may show
+the expected value). The lessons call them with the defaults; the instructor's hidden checks call the same
+checkers on fresh inputs with ``reveal=False``, so feedback never shows an expected value.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from kvlab.config import ModelConfig
+
+REL_TOL = 1e-9  # floats computed by another order of operations differ in the last bits, never by more
+
+
+# -- lesson support -------------------------------------------------------------------------------------------------
+def quick_mode(env: Mapping[str, str] | None = None) -> bool:
+    """The course's quick mode: ``KVLAB_QUICK`` set to anything but "" or "0", or run by nbgrader at all."""
+    env = os.environ if env is None else env
+    return env.get("KVLAB_QUICK", "0") not in ("", "0") or "NBGRADER_EXECUTION" in env
+
+
+def setup_lesson(seed: int = 0) -> bool:
+    """What every lesson's setup cell does; returns whether quick mode is on.
+
+    - torch runs on one thread, unless ``OMP_NUM_THREADS`` asks for more outside quick mode. When a machine's cores
+      are shared, a multi-threaded operation waits for its slowest thread. Measured on a 2-core AMD EPYC that other
+      jobs kept busy (load average 4 to 5), alternating 1 and 2 threads: a cpu-tiny decode step at 1,024 tokens took
+      1.75 to 47 times as long on 2 threads (median of 30 steps, 8 rounds), a cpu-small step at 4,096 tokens 2.0 to
+      11 times (5 rounds). One thread is slower on an idle machine but steady on a busy one, and every prediction
+      uses a bandwidth measured with the same threads.
+    - Under nbgrader, warnings are silenced (a test cell that writes anything to stderr scores zero), and
+      tracebacks shrink to their last line (a full one would quote the hidden test code into the feedback).
+    - torch is seeded, so a notebook's random inputs repeat from run to run.
+    """
+    quick = quick_mode()
+    if quick or "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+    if "NBGRADER_EXECUTION" in os.environ:
+        warnings.simplefilter("ignore")
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        if shell is not None:
+            shell.run_line_magic("xmode", "Minimal")
+    torch.manual_seed(seed)
+    return quick
+
+
+# -- message helpers ------------------------------------------------------------------------------------------------
+Slips = Sequence[tuple[float, str]]  # (the value a slip produces, the slip named), for _hint
+
+
+def _fail(quantity: str, got: Any, form: str, fix: str, expected: Any = None, reveal: bool = True) -> None:
+    """Raise the learner's message: what they returned, what was wanted, and what to fix.
+
+    Without ``expected``, ``form`` is what was wanted ("a dict with the key 'device'"). With it, ``form`` names
+    the kind of value ("number of bytes"); a hidden check (``reveal=False``) then says only that the value is
+    wrong, never which type to return, since the learner's type was already right.
+    """
+    if expected is None:
+        want = f"expected {form}"
+    elif reveal:
+        want = f"expected {expected!r} ({form})"
+    else:
+        want = f"which is not the right {form} (a hidden check does not reveal the right one)"
+    raise AssertionError(f"{quantity}: got {got!r}; {want}. {fix}")
+
+
+# Factors of 1000 mean different slips in different units: a time in ms that is 1/1000 too small is in seconds,
+# but a bandwidth 1/1000 too small comes from a time in ms divided into bytes, not from the bandwidth's GB.
+_UNIT_SLIPS: dict[str, Slips] = {
+    "ms": (
+        (1e-3, "It is 1/1000 of the expected value: is it in seconds? Return milliseconds."),
+        (1e3, "It is 1000 times the expected value: is the factor 1000 applied twice, or GB/s taken as 1e6 B/s?"),
+    ),
+    "µs": (
+        (1e-3, "It is 1/1000 of the expected value: is it in ms? Return microseconds."),
+        (1e3, "It is 1000 times the expected value: is the factor 1000 applied twice?"),
+    ),
+    "GB/s": (
+        (1e-3, "It is 1/1000 of the expected value: are the times in ms where seconds belong?"),
+        (1e3, "It is 1000 times the expected value: were the seconds divided by 1000?"),
+        (1e9, "It is in bytes per second: divide by 1e9 for GB/s."),
+    ),
+}
+_FACTOR_TWO: Slips = (
+    (0.5, "It is half the expected value: is a factor of 2 missing?"),
+    (2.0, "It is twice the expected value: is a factor of 2 counted twice?"),
+)
+
+
+def _hint(got: float, want: float, reveal: bool, unit: str = "", slips: Slips = ()) -> str:
+    """A sentence naming the slip that explains a wrong value, or "" when none does.
+
+    ``slips`` pair a value that a checker recomputed with one named mistake (the query heads in place of the KV
+    heads, say) with a sentence naming it, the likeliest first; they are tried first, since an exact match is
+    better evidence than a ratio, which can have several causes. Then a factor of 2, and the factors of 1000 that
+    ``unit`` makes likely. Nothing when ``reveal`` is off: a slip's value or a ratio would give the withheld value away.
+    """
+    if not reveal or not want or not _is_real(got):
+        return ""
+    # Two slips can give one value (n_heads = 8 x n_kv_heads, and bits for bytes): name only the likeliest, since
+    # a second, unrelated cause sends a learner who made the first one looking in the wrong place.
+    named = next((slip for value, slip in slips if math.isclose(got, value, rel_tol=1e-9)), None)
+    if named:
+        return " " + named
+    for ratio, slip in (*_FACTOR_TWO, *_UNIT_SLIPS.get(unit.split(" ")[0], ())):
+        if math.isclose(got / want, ratio, rel_tol=1e-6):
+            return " " + slip
+    return ""
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _exact_int(quantity: str, got: Any, want: int, unit: str, fix: str, reveal: bool, slips: Slips = ()) -> None:
+    if not _is_int(got):
+        kind = type(got).__name__
+        _fail(quantity, got, f"an int number of {unit}, not a {kind}", "Return an int (round() a fractional count).")
+    if got != want:
+        _fail(quantity, got, f"number of {unit}", fix + _hint(got, want, reveal, unit, slips), want, reveal)
+
+
+def _close(
+    quantity: str,
+    got: Any,
+    want: float,
+    unit: str,
+    fix: str,
+    reveal: bool,
+    rel: float = REL_TOL,
+    slips: Slips = (),
+) -> None:
+    if not _is_real(got):
+        _fail(quantity, got, f"a number in {unit}, not a {type(got).__name__}", "Return a float.")
+    if not math.isfinite(got):
+        _fail(quantity, got, f"a finite number in {unit}", "Look for a division by zero or an overflow.")
+    if not math.isclose(got, want, rel_tol=rel, abs_tol=1e-12):
+        _fail(quantity, got, f"value in {unit}", fix + _hint(got, want, reveal, unit, slips), want, reveal)
+
+
+def _call(quantity: str, fn: Callable, *args: Any) -> Any:
+    """Call the learner's function; an exception inside it is re-raised with the call that caused it."""
+    try:
+        return fn(*args)
+    except NotImplementedError:
+        raise AssertionError(f"{quantity}: not implemented yet; write the function body in the answer cell") from None
+    except Exception as e:
+        raise AssertionError(f"{quantity}: raised {type(e).__name__}: {e}") from e
+
+
+def _label(cfg: ModelConfig) -> str:
+    return f"{cfg.name} ({cfg.attention_kind}, {cfg.n_layers} layers)"
+
+
+# -- measuring again before failing ---------------------------------------------------------------------------------
+def _measure_again(
+    accept: Callable[[float], bool], measure: Callable[[], float | None], times: int, value: float | None = None
+) -> float | None:
+    """The first of ``value`` and up to ``times`` fresh ``measure()`` results that ``accept`` takes, else the last.
+
+    A checker that judges a timing calls this before it fails: a burst of load on a shared machine can put one
+    measurement of correct code outside its band, but not several in a row, while code that really does the wrong
+    amount of work stays outside however often it is measured. Without ``value`` the first measurement is taken
+    here too (``times`` more after it). ``measure`` returns None where it cannot measure again; that ends the tries.
+    """
+    value = measure() if value is None else value
+    for _ in range(times):
+        if value is None or accept(value):
+            break
+        value = measure()
+    return value

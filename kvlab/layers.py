@@ -1,0 +1,70 @@
+"""The layers a Llama-style block is built from: RMSNorm, rotary position embeddings (RoPE) and SwiGLU.
+
+Weights are stored ``[in, out]`` and applied as ``x @ W``: for the one-row activations of a decode step that
+reads each weight row contiguously (see ``kvlab.model``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32, as Llama does, so bf16 models keep the same statistics.
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE in the rotate-half convention of Hugging Face's Llama, so its checkpoints load unchanged."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        if scaling and scaling.get("rope_type") == "llama3":
+            inv_freq = _llama3_frequencies(inv_freq, scaling)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions``: ``[T]`` -> ``cos``, ``sin``: ``[T, 1, D]`` (broadcast over heads)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return angles.cos(), angles.sin()
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1's long-context RoPE: slow the low frequencies by ``factor``, keep the high ones, blend between.
+
+    Wavelengths longer than the original context / low_freq_factor are stretched; shorter than
+    original / high_freq_factor are untouched; in between, interpolate linearly in original_context / wavelength.
+    """
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    original = s["original_max_position_embeddings"]
+    wavelength = 2 * torch.pi / inv_freq
+    blend = ((original / wavelength - low) / (high - low)).clamp(0, 1)
+    return (1 - blend) * inv_freq / factor + blend * inv_freq
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the last dim of ``x`` (``[..., T, heads, D]`` with ``cos``, ``sin``: ``[T, 1, D]``, or any shapes
+    that broadcast the same way)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d_model: int, d_ff: int) -> None:
+        super().__init__()
+        self.w_gate_up = nn.Parameter(torch.empty(d_model, 2 * d_ff))  # [in, gate | up]
+        self.w_down = nn.Parameter(torch.empty(d_ff, d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = (x @ self.w_gate_up).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ self.w_down
