@@ -155,3 +155,7 @@ def test_a_cache_is_built_from_a_shape_record() -> None:
         ContiguousKVCache(2, 1, 8)  # the old positional (n_layers, batch, capacity, ...) form names what changed
     with pytest.raises(ValueError, match="codec"):
         ContiguousKVCache(shape, 1, 8, codec="int3")
+    latent = CacheShape(n_layers=2, n_kv_heads=1, head_dim=40, latent_values=32)  # MLA's: V is K's first 32
+    for cache in (ContiguousKVCache, PagedKVCache, SharedPrefixKVCache, QuantizedKVCache):
+        with pytest.raises(ValueError, match="MLA latent.*LatentKVCache"):
+            cache(latent, 1, 8)

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from kvlab.model import Decoder
 
 FLOAT_DTYPES = ("fp32", "fp16", "bf16")
+Rotate = Callable[[torch.Tensor], torch.Tensor]  # queries turned by RoPE through a shift of positions
 
 
 class CacheCapacityError(RuntimeError):
@@ -107,6 +108,15 @@ def refuse_window(window: int | None, cache: str, fix: str) -> None:
         raise ValueError(f"window: {window} (a sliding-window layer) is not supported by {cache}; {fix}")
 
 
+def refuse_latent(shape: CacheShape, cache: str) -> None:
+    """Raise for an MLA latent's shape: for a cache that stores per-head K and V."""
+    if shape.latent_values is not None:
+        raise ValueError(
+            f"shape: an MLA latent (latent_values={shape.latent_values}), which {cache} does not store; allowed: "
+            "per-head K/V (an MHA, GQA or MQA model); for MLA use LatentKVCache, in any codec"
+        )
+
+
 class KVCache(ABC):
     """Per-layer K/V storage for a batch of sequences that advance together.
 
@@ -160,11 +170,7 @@ class KVCache(ABC):
 
     @abstractmethod
     def attend(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        window: int | None = None,
-        rotate: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        self, layer: int, q: torch.Tensor, window: int | None = None, rotate: Rotate | None = None
     ) -> torch.Tensor:
         """The reserved tokens' queries over what the cache keeps of one layer, causally.
 

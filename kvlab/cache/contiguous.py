@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from kvlab.cache.base import CacheShape, SlabKVCache, kv_codec
+from kvlab.cache.base import CacheShape, Rotate, SlabKVCache, kv_codec, refuse_latent
 from kvlab.cache.stores import attend_stores, make_store
 from kvlab.validation import require_int
 
@@ -30,6 +28,7 @@ class ContiguousKVCache(SlabKVCache):
         group_size: int = 32,
     ) -> None:
         super().__init__(shape, batch_size, capacity)
+        refuse_latent(shape, type(self).__name__)
         self.codec = kv_codec(codec, shape)
         lead, slots = (batch_size, shape.n_kv_heads), self.capacity
         self._keys = [
@@ -48,11 +47,7 @@ class ContiguousKVCache(SlabKVCache):
         self._values[layer].write(self._new_slots, v.transpose(1, 2))
 
     def attend(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        window: int | None = None,
-        rotate: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        self, layer: int, q: torch.Tensor, window: int | None = None, rotate: Rotate | None = None
     ) -> torch.Tensor:
         self._read_windows[layer] = window
         return attend_stores(q, self._keys[layer], self._values[layer], self._length, self._start, window)

@@ -25,11 +25,9 @@ attention, so no score) rather than read them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from kvlab.cache.base import CacheShape
+from kvlab.cache.base import CacheShape, Rotate
 from kvlab.cache.policies import FixedSlotsKVCache
 from kvlab.kernels import attention_with_probs, window_mask
 from kvlab.validation import require_int
@@ -115,11 +113,7 @@ class HeavyHitterKVCache(FixedSlotsKVCache):
         positions[index] = start
 
     def attend(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        window: int | None = None,
-        rotate: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        self, layer: int, q: torch.Tensor, window: int | None = None, rotate: Rotate | None = None
     ) -> torch.Tensor:
         pending = self._pending.pop(layer, None)
         q_positions = torch.arange(self._start, self._seen, device=self.device)

@@ -8,11 +8,9 @@ with the values taken as a view of the keys.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from kvlab.cache.base import CacheShape, SlabKVCache, kv_codec, refuse_window
+from kvlab.cache.base import CacheShape, Rotate, SlabKVCache, kv_codec, refuse_window
 from kvlab.cache.stores import attend_stores, make_store
 
 
@@ -65,11 +63,7 @@ class LatentKVCache(SlabKVCache):
         self._latents[layer].write(self._new_slots, k.transpose(1, 2))
 
     def attend(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        window: int | None = None,
-        rotate: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        self, layer: int, q: torch.Tensor, window: int | None = None, rotate: Rotate | None = None
     ) -> torch.Tensor:
         refuse_window(window, "LatentKVCache", "kvlab has no MLA model with sliding-window layers; attend globally")
         store, r = self._latents[layer], self.shape.latent_values

@@ -33,11 +33,11 @@ Prefix hits: the cache can only hash blocks whose token ids it knows, and ``Deco
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from kvlab.cache.base import CacheCapacityError, CacheShape, KVCache, kv_codec
+from kvlab.cache.base import CacheCapacityError, CacheShape, KVCache, Rotate, kv_codec, refuse_latent
 from kvlab.cache.block_pool import BlockPool, shared_prefix_blocks
 from kvlab.cache.stores import make_store
 from kvlab.kernels import attend_slab, cascade_decode_attention, decode_attention
@@ -84,11 +84,7 @@ class PagedKVCache(KVCache):
             n_blocks = batch_size * math.ceil(capacity / block_size)
         if not isinstance(cascade, bool):
             raise ValueError(f"cascade: {cascade!r} is not allowed; allowed: True or False")
-        if shape.latent_values is not None:
-            raise ValueError(
-                f"shape.latent_values: {shape.latent_values}; PagedKVCache stores per-head K/V; allowed: None "
-                "(for an MLA model use kvlab.cache.latent.LatentKVCache)"
-            )
+        refuse_latent(shape, "PagedKVCache")
         self.pool = BlockPool(n_blocks, block_size)
         self.cascade = cascade
         self.codec = kv_codec(codec, shape)
@@ -204,11 +200,7 @@ class PagedKVCache(KVCache):
         self._values[layer].write(self._slots, v.permute(2, 0, 1, 3))
 
     def attend(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        window: int | None = None,
-        rotate: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        self, layer: int, q: torch.Tensor, window: int | None = None, rotate: Rotate | None = None
     ) -> torch.Tensor:
         self._read_windows[layer] = window
         if q.shape[-2] > 1:

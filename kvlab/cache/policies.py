@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvlab.cache.base import CacheCapacityError, CacheShape, KVCache, kv_codec
+from kvlab.cache.base import CacheCapacityError, CacheShape, KVCache, kv_codec, refuse_latent
 from kvlab.cache.stores import Index, Store, make_store
 from kvlab.validation import require_int
 
@@ -50,11 +50,7 @@ class FixedSlotsKVCache(KVCache):
         group_size: int = 32,
     ) -> None:
         super().__init__(shape, batch_size, capacity)
-        if shape.latent_values is not None:
-            raise ValueError(
-                f"shape: an MLA latent (latent_values={shape.latent_values}), which {type(self).__name__} does not "
-                "manage; allowed: per-head K/V (an MHA, GQA or MQA model)"
-            )
+        refuse_latent(shape, type(self).__name__)
         self.codec = kv_codec(codec, shape)
         self.group_size = group_size
         self._seen = 0

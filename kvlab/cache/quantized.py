@@ -36,11 +36,11 @@ Three attention paths, chosen by ``attention``:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 
-from kvlab.cache.base import CacheShape, SlabKVCache, refuse_window
+from kvlab.cache.base import CacheShape, Rotate, SlabKVCache, refuse_latent, refuse_window
 from kvlab.cache.codecs import Codec, Encoded, IntCodec, get_codec
 from kvlab.kernels import attend_slab, decode_attention, online_softmax_attention
 from kvlab.validation import require_int
@@ -73,11 +73,7 @@ class QuantizedKVCache(SlabKVCache):
         key_quant: str = "per-channel",
     ) -> None:
         super().__init__(shape, batch_size, capacity)
-        if shape.latent_values is not None:
-            raise ValueError(
-                "shape: an MLA latent (latent_values set); allowed: per-head K/V. For MLA use "
-                "LatentKVCache(shape, codec=...), which stores each latent once in any codec"
-            )
+        refuse_latent(shape, "QuantizedKVCache")
         require_int("group_size", group_size)
         require_int("chunk_size", chunk_size)
         require_int("residual", residual, 0)
@@ -139,11 +135,7 @@ class QuantizedKVCache(SlabKVCache):
                 ring[:, :, slot : slot + n] = x[:, :, pos - s0 : pos - s0 + n]
 
     def attend(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        window: int | None = None,
-        rotate: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        self, layer: int, q: torch.Tensor, window: int | None = None, rotate: Rotate | None = None
     ) -> torch.Tensor:
         refuse_window(window, "QuantizedKVCache", "use ContiguousKVCache or WindowKVCache with codec=...")
         b, hkv, g, t, d = q.shape

@@ -16,11 +16,9 @@ into full-precision scratch (``read``) before the cascade kernel, rather than st
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from kvlab.cache.base import CacheShape, KVCache
+from kvlab.cache.base import CacheShape, KVCache, Rotate
 from kvlab.cache.contiguous import ContiguousKVCache
 from kvlab.kernels import attend_slab, cascade_decode_attention
 from kvlab.validation import require_int
@@ -80,11 +78,7 @@ class SharedPrefixKVCache(KVCache):
         self._active.append(layer, k, v)
 
     def attend(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        window: int | None = None,
-        rotate: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        self, layer: int, q: torch.Tensor, window: int | None = None, rotate: Rotate | None = None
     ) -> torch.Tensor:
         self._read_windows[layer] = window
         if self.suffix is None:

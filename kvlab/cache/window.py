@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvlab.cache.base import CacheShape
+from kvlab.cache.base import CacheShape, Rotate
 from kvlab.cache.policies import FixedSlotsKVCache
 from kvlab.cache.stores import attend_stores
 from kvlab.kernels import attention_with_probs, window_mask
@@ -138,11 +138,7 @@ class WindowKVCache(FixedSlotsKVCache):
         self._write(layer, slots, k[:, new].transpose(1, 2), v[:, new].transpose(1, 2))
 
     def attend(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        window: int | None = None,
-        rotate: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        self, layer: int, q: torch.Tensor, window: int | None = None, rotate: Rotate | None = None
     ) -> torch.Tensor:
         self._read_windows[layer] = window
         keys, values = self._keys[layer], self._values[layer]
