@@ -95,9 +95,18 @@ def attend_slab(
     """This step's queries over a slab holding positions ``0 .. S-1``, the new ones last: a cache's ``attend``.
 
     ``q``: ``[B, Hkv, G, T, D]``, scaled; ``k_t``: ``[B, Hkv, D, S]``; ``v``: ``[B, Hkv, S, Dv]``. A decode step
-    with a ``window`` reads only the last ``window`` tokens. Returns ``[B, Hkv, G, T, Dv]``.
+    with a ``window`` reads only the last ``window`` tokens, and reads the slots in any order (one query sees them
+    all). Returns ``[B, Hkv, G, T, Dv]``.
     """
     if q.shape[-2] > 1:
+        if k_t.shape[-1] != q_start + q.shape[-2]:
+            # The slab must end with this step's tokens: a cache whose append stored nothing, or stored them along
+            # the wrong axis, would otherwise fail deep inside a matmul or attend over the wrong tokens.
+            raise ValueError(
+                f"k_t: {k_t.shape[-1]} tokens along its last axis, but this step's queries sit at positions "
+                f"{q_start}..{q_start + q.shape[-2] - 1}; allowed: keys [B, Hkv, D, S] holding positions "
+                f"0..{q_start + q.shape[-2] - 1} (does append store the new tokens after the old ones, along S?)"
+            )
         return causal_attention(q, k_t.transpose(-1, -2), v, q_start, window)
     if window is not None and k_t.shape[-1] > window:
         k_t, v = k_t[..., -window:], v[..., -window:, :]

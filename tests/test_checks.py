@@ -14,6 +14,7 @@ import torch
 
 from kvlab import Decoder, checks, get_model, roofline
 from kvlab.bench import RequestTiming, Sweep, SweepPoint, fit_line, percentile, sweep_context
+from kvlab.cache import KVCache
 from kvlab.course import (
     grading,
     lesson00_orientation,
@@ -21,6 +22,7 @@ from kvlab.course import (
     lesson02_roofline,
     lesson03_measuring_tpot,
 )
+from kvlab.kernels import attend_slab
 from kvlab.timing import Bandwidth
 from tests.conftest import LESSONS, REPO
 
@@ -323,7 +325,47 @@ def test_concat_cache_that_drops_tokens_fails():
             if self._cache.length <= 5:
                 self._cache.append(layer, k, v)
 
-    assert_fails(checks.check_concat_cache, lambda m, b, c: Forgetful(m.new_cache(b, c)), match="stored keys")
+    message = assert_fails(
+        checks.check_concat_cache, lambda m, b, c: Forgetful(m.new_cache(b, c)), match="keys after 6 steps"
+    )
+    assert "[B, Hkv, D, S]" in message  # names the stored layout
+
+
+class UnwrittenGrowingCache(KVCache):
+    """Lesson 03's growing cache with an append that forgets to store: it holds no token when the prompt attends."""
+
+    def __init__(self, shape, batch_size=1, capacity=None):
+        super().__init__(shape, batch_size, capacity)
+        self._layer_token_bytes = shape.elements_per_token * shape.torch_dtype.itemsize
+        self._k_t = [torch.empty(batch_size, shape.n_kv_heads, shape.head_dim, 0) for _ in range(shape.n_layers)]
+        self._v = [torch.empty(batch_size, shape.n_kv_heads, 0, shape.head_dim) for _ in range(shape.n_layers)]
+        self._length = self._start = 0
+
+    @property
+    def length(self):
+        return self._length
+
+    def reserve(self, n_new):
+        self._start, self._length = self._length, self._length + n_new
+        return self._start
+
+    def append(self, layer, k, v):
+        pass
+
+    def attend(self, layer, q, window=None, rotate=None):
+        return attend_slab(q, self._k_t[layer], self._v[layer], self._start, window)
+
+    def read(self, layer):
+        return self._k_t[layer].transpose(-1, -2), self._v[layer]
+
+    def reset(self):
+        self._length = self._start = 0
+
+
+def test_concat_cache_that_stores_nothing_is_named_at_the_prompt_not_deep_in_a_kernel():
+    message = assert_fails(checks.check_concat_cache, UnwrittenGrowingCache.for_model, match="prefill with your cache")
+    assert "after the stored ones" in message and "[B, Hkv, D, S]" in message
+    assert "ZeroDivisionError" not in message  # what the kernel's block arithmetic raised before attend_slab checked
 
 
 def test_concat_cache_that_stores_tokens_out_of_order_fails():
@@ -334,7 +376,7 @@ def test_concat_cache_that_stores_tokens_out_of_order_fails():
             k, v = self._cache.read(layer)
             return k.flip(-2), v.flip(-2)
 
-    message = assert_fails(checks.check_concat_cache, lambda m, b, c: Reversed(m.new_cache(b, c)), match="in order")
+    message = assert_fails(checks.check_concat_cache, lambda m, b, c: Reversed(m.new_cache(b, c)), match="in the order")
     assert "after the stored ones" in message
 
 

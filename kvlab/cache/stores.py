@@ -272,7 +272,7 @@ def attend_stores(
     if q.shape[-2] > 1 or not keys.encoded:
         k = keys.read(n, lo)
         v = k[..., :value_dim] if values is None else values.read(n, lo)
-        return attend_slab(q, k.transpose(-1, -2), v, q_start, window)
+        return attend_slab(q, k.transpose(-1, -2), v, q_start - lo, window)
     key_chunks = keys.chunks(n, chunk, lo)
     if values is None:
         chunks = ((k, k[..., :value_dim], first) for first, k in key_chunks)

@@ -212,30 +212,40 @@ def check_crossover_context(
 _CACHE_CHECK_MODEL = ModelConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=64)
 
 
+_LAYOUT_FIX = (
+    "append() must add the new K/V after the stored ones along the token axis, in the stored layout: keys "
+    "[B, Hkv, D, S] (k.permute(0, 2, 3, 1) after the stored keys along the last dim), values [B, Hkv, S, D] "
+    "(v.transpose(1, 2) after the stored values along dim -2)."
+)
+
+
 def check_concat_cache(
     make_cache: CacheFactory,
     cfg: ModelConfig = _CACHE_CHECK_MODEL,
     batch: int = 2,
     n_steps: int = 6,
 ) -> None:
-    """A cache from ``make_cache(model, batch, capacity)`` must decode exactly what the preallocated cache does."""
+    """A cache from ``make_cache(model, batch, capacity)`` must decode exactly what the preallocated cache does.
+
+    What the cache holds is compared first after the prompt, then after every step, so a wrong layout is named
+    before it can fail somewhere deeper.
+    """
     model = Decoder(cfg, seed=1)
     prompt = torch.randint(0, cfg.vocab_size, (batch, 5), generator=torch.Generator().manual_seed(2))
     caches = {
         "preallocated": model.new_cache(batch, 5 + n_steps),
         "yours": _call("make_cache", make_cache, model, batch, 5 + n_steps),
     }
-
-    def decode(cache: KVCache) -> torch.Tensor:
-        out = [model.prefill(prompt, cache)[:, -1]]
+    logits = {"preallocated": [model.prefill(prompt, caches["preallocated"])[:, -1]]}
+    try:
+        logits["yours"] = [model.prefill(prompt, caches["yours"])[:, -1]]
+    except Exception as e:  # most often a layout the attention kernel cannot read: say which, not where it broke
+        _fail("prefill with your cache", f"{type(e).__name__}: {e}", "the prompt's logits", _LAYOUT_FIX)
+    _compare_stored(caches["yours"], caches["preallocated"], cfg.n_layers, 5, "after a 5-token prefill")
+    for name, cache in caches.items():
         for _ in range(n_steps):
-            out.append(model.decode_step(out[-1].argmax(-1), cache))
-        return torch.stack(out)
-
-    logits = {
-        "preallocated": decode(caches["preallocated"]),
-        "yours": _call("decoding with your cache", decode, caches["yours"]),
-    }
+            step = _call(f"a decode step with the {name} cache", model.decode_step, logits[name][-1].argmax(-1), cache)
+            logits[name].append(step)
     if caches["yours"].length != 5 + n_steps:
         _fail(
             "cache.length",
@@ -243,32 +253,35 @@ def check_concat_cache(
             f"{5 + n_steps} after a 5-token prefill and {n_steps} steps",
             "reserve() must advance the length by the new tokens.",
         )
-    # Decode attention sums over the stored tokens in any order, so logits alone cannot see tokens stored out of
-    # order (prepended, say); what the cache holds can. Both caches store the same projections of the same tokens,
-    # and later layers' K/V differ only by the two attention kernels' rounding, far inside the tolerance.
-    for layer in range(cfg.n_layers):
-        stored = zip(("keys", "values"), caches["yours"].read(layer), caches["preallocated"].read(layer), strict=True)
-        for name, got, want in stored:
-            if got.shape != want.shape or not torch.allclose(got, want, atol=1e-5, rtol=1e-4):
-                _fail(
-                    f"layer {layer}'s stored {name}",
-                    f"a tensor of shape {tuple(got.shape)} that differs from what was appended, in order",
-                    f"the appended tokens in the order they arrived, shape {tuple(want.shape)}",
-                    "append() must add the new K/V after the stored ones along the token axis, in the stored layout.",
-                )
+    _compare_stored(caches["yours"], caches["preallocated"], cfg.n_layers, 5 + n_steps, f"after {n_steps} steps")
     mismatched = [
         step
         for step, (a, b) in enumerate(zip(logits["yours"], logits["preallocated"], strict=True))
         if not torch.allclose(a, b, atol=1e-5, rtol=1e-4)
     ]
     if mismatched:
-        step = mismatched[0]
-        _fail(
-            "decoded logits",
-            f"a mismatch from output token {step + 1} on",
-            "the preallocated cache's logits",
-            "append() must add the new K/V after the stored ones along the token axis, in the stored layout.",
-        )
+        first = f"a mismatch from output token {mismatched[0] + 1} on"
+        _fail("decoded logits", first, "the preallocated cache's logits", _LAYOUT_FIX)
+
+
+def _compare_stored(yours: KVCache, reference: KVCache, n_layers: int, n_tokens: int, when: str) -> None:
+    """What ``read`` returns (``[B, Hkv, S, D]`` by the interface, whatever the stored layout) must be what was
+    appended, in order.
+
+    Decode attention sums over the stored tokens in any order, so logits alone cannot see tokens stored out of order
+    (prepended, say); what the cache holds can. Both caches store the same projections of the same tokens, and later
+    layers' K/V differ only by the two attention kernels' rounding, far inside the tolerance.
+    """
+    for layer in range(n_layers):
+        stored = zip(("keys", "values"), _call("read()", yours.read, layer), reference.read(layer), strict=True)
+        for name, got, want in stored:
+            if got.shape != want.shape or not torch.allclose(got, want, atol=1e-5, rtol=1e-4):
+                _fail(
+                    f"layer {layer}'s {name} {when}, as read() returns them ([B, Hkv, S, D])",
+                    f"shape {tuple(got.shape)}" + (", other values" if got.shape == want.shape else ""),
+                    f"the {n_tokens} appended tokens in the order they arrived, shape {tuple(want.shape)}",
+                    _LAYOUT_FIX,
+                )
 
 
 # Why 1.5: a cache grown by concatenation reads all its stored K/V and writes a new copy every step, on top of the
