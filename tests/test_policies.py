@@ -478,3 +478,8 @@ def test_bad_step_arguments_raise(model):
     latent = SimpleNamespace(cfg=ModelConfig(n_layers=2, d_model=64, n_heads=4, mla=mla), device="cpu")
     with pytest.raises(ValueError, match=r"shape: an MLA latent .*allowed: per-head K/V"):
         HeavyHitterKVCache.for_model(latent, heavy=1, recent=1)
+
+
+def test_a_window_cache_without_a_window_names_the_field(model):
+    with pytest.raises(ValueError, match=r"window: None is not allowed; allowed: an integer >= 1.*layer_windows"):
+        WindowKVCache.for_model(model, 1, 16)

@@ -54,7 +54,7 @@ class WindowKVCache(FixedSlotsKVCache):
         batch_size: int = 1,
         capacity: int | None = None,
         *,
-        window: int | Sequence[int | None],
+        window: int | Sequence[int | None] | None = None,
         sinks: int = 0,
         positions: str = "original",
         codec: str | None = None,
@@ -173,7 +173,7 @@ class WindowKVCache(FixedSlotsKVCache):
         return min(held, window) if window is not None and held == context else held
 
 
-def _layer_windows(window: int | Sequence[int | None], n_layers: int) -> list[int | None]:
+def _layer_windows(window: int | Sequence[int | None] | None, n_layers: int) -> list[int | None]:
     """One window per layer from an int or a per-layer sequence, validated."""
     if isinstance(window, int) and not isinstance(window, bool):
         require_int("window", window, 1)
@@ -181,7 +181,8 @@ def _layer_windows(window: int | Sequence[int | None], n_layers: int) -> list[in
     if isinstance(window, (str, bytes)) or not isinstance(window, Sequence) or len(window) != n_layers:
         raise ValueError(
             f"window: {window!r} is not allowed; allowed: an integer >= 1, or {n_layers} entries "
-            "(one per layer: an integer >= 1 for a local layer, None for a global one)"
+            "(one per layer: an integer >= 1 for a local layer, None for a global one; a model's own are "
+            "model.cfg.layer_windows)"
         )
     for i, w in enumerate(window):
         if w is not None:
