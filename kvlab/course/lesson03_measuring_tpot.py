@@ -115,7 +115,7 @@ def check_fit_tpot(
 # - the course's 2-core AMD EPYC (Zen 3, 32 MiB L3), one thread, loaded by other jobs (load average 4-7 on 2 cores):
 #   50 quick-mode runs of lesson 03 gave 0.58-3.33 (median 1.51); the spread is load changing between the bandwidth
 #   measurement and the sweep, which cannot run at the same instant; one full-size run gave 1.04;
-# - the learner's 2-core AMD EPYC: 1.72 (lesson 03, one thread, busy) and 1.53 (bench/fidelity.py, two threads),
+# - the learner's 2-core AMD EPYC: 1.72 (lesson 03, one thread, busy) and 1.53 (benchmarks/fidelity.py, two threads),
 #   both against copy bandwidth, within 3% of read there.
 # Idle, a plain decoder reaches about 45% of the bandwidth on the KV term and a key-major layout about 90%
 # (docs/cpu_performance.md): ratios of 1.1-2.2. The band keeps a margin of 1.45x below and 1.2x above the loaded
