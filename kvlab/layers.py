@@ -33,9 +33,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions``: ``[T]`` -> ``cos``, ``sin``: ``[T, 1, D]`` (broadcast over heads)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        """``positions``: ``[T]``, or ``[B, T]`` (one row per sequence) -> ``cos``, ``sin``: ``[..., T, 1, D]``
+        (broadcast over heads)."""
+        freqs = positions.float()[..., None] * self.inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1)[..., None, :]
         return angles.cos(), angles.sin()
 
 

@@ -115,7 +115,10 @@ class Decoder(nn.Module):
     def _run(self, tokens: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
         tokens = self._check_tokens(tokens, cache)
         start = 0 if cache is None else cache.reserve(tokens.shape[1])
-        positions = torch.arange(start, start + tokens.shape[1], device=self.device)
+        steps = torch.arange(tokens.shape[1], device=self.device)
+        # A ragged batch (sequences at different lengths, as continuous batching runs them) gets one start per
+        # sequence from its cache: positions [B, T], so each sequence's tokens are roped at their own positions.
+        positions = steps + start if isinstance(start, int) else start.to(self.device)[:, None] + steps
         cos, sin = self.rope(positions)
         cos, sin = cos.to(self.torch_dtype), sin.to(self.torch_dtype)
         h = self.embed(tokens)

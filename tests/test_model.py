@@ -222,3 +222,22 @@ def test_long_prefills_are_taken_in_query_blocks_with_the_same_result(monkeypatc
         # Blocks of 3 queries run masked SDPA on slices instead of one is_causal call: equal to rounding.
         assert_close(model(tokens), whole, **PATH_TOL)
         assert_close(model.prefill(tokens[:, 9:], cache), whole[:, 9:], **PATH_TOL)
+
+
+def test_a_cache_may_return_one_start_per_sequence():
+    """A ragged batch's cache returns a start per sequence (``LongTensor [B]``): the decoder ropes each row at its
+    own positions. Rows that happen to share a start must decode exactly as with the int (the same elementwise
+    RoPE on the same positions, the same kernels after it)."""
+
+    class PerSequenceStarts(ContiguousKVCache):
+        def reserve(self, n_new):
+            return torch.full((self.batch_size,), super().reserve(n_new), dtype=torch.long)
+
+    model = Decoder(tiny_config(), device="cpu")
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(8))
+    logits = {}
+    for name, cache in (("int", model.new_cache(2, 12)), ("per-sequence", PerSequenceStarts.for_model(model, 2, 12))):
+        out = [model.prefill(tokens[:, :6], cache)[:, -1]]
+        out += [model.decode_step(tokens[:, i], cache) for i in range(6, 9)]
+        logits[name] = torch.stack(out)
+    assert torch.equal(logits["int"], logits["per-sequence"])

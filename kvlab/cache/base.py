@@ -158,10 +158,11 @@ class KVCache(ABC):
         """Tokens stored per sequence (including those reserved by the step in progress)."""
 
     @abstractmethod
-    def reserve(self, n_new: int) -> int:
+    def reserve(self, n_new: int) -> int | torch.Tensor:
         """Claim ``n_new`` slots for the step about to run; return the position of the first.
 
-        Raises ``CacheCapacityError`` (and changes nothing) when the cache cannot hold them.
+        A cache whose sequences sit at different lengths (a ragged batch) returns one start per sequence, a
+        ``LongTensor [B]``. Raises ``CacheCapacityError`` (and changes nothing) when the cache cannot hold them.
         """
 
     @abstractmethod

@@ -28,6 +28,22 @@ Prefix hits: the cache can only hash blocks whose token ids it knows, and ``Deco
     token = logits.argmax(-1)
     cache.feed_tokens(token[:, None])         # optional: lets the response's blocks be cached for the next turn
     logits = model.decode_step(token, cache)
+
+Continuous batching: the pool holds sequences, the batch is the ones a model call runs on. ``new_sequence`` adds
+one to the pool (with its prefix hits), ``use`` picks the batch (in any order, at any lengths), ``free`` drops
+one. A batch whose sequences sit at different lengths (ragged) steps one token per sequence, each at its own
+position: ``reserve`` then returns a tensor of positions, and the model ropes each row at its own::
+
+    a, n_a = cache.new_sequence(prompt_a)     # per request: prefill it alone
+    cache.use([a])
+    model.prefill(torch.tensor([prompt_a[n_a:]]), cache)
+    cache.use([a, b])                         # then decode the running requests together
+    logits = model.decode_step(next_tokens, cache)
+
+A ragged decode step attends each row over its own blocks alone, one kernel call per row: a row never reads
+another's padding, a window starts at the row's own position, and ``bytes_read_per_step`` counts what is read.
+A fused paged kernel takes per-row lengths and does the same in one launch; here the loop costs B small calls per
+layer, which only ragged steps pay.
 """
 
 from __future__ import annotations
@@ -44,10 +60,11 @@ from kvlab.kernels import attend_slab, cascade_decode_attention, decode_attentio
 from kvlab.validation import require_int
 
 TABLE_ENTRY_BYTES = 4  # block tables are int32, as in vLLM and FlashInfer
+PAD_BLOCK = -1  # pads a shorter row of the table; not a block id, so an index that reached it would raise
 
 
 class PagedKVCache(KVCache):
-    """``n_blocks`` blocks of ``block_size`` tokens, shared by a batch of sequences that advance together.
+    """``n_blocks`` blocks of ``block_size`` tokens, shared by the sequences of a pool, a batch of which steps.
 
     ``n_blocks`` defaults to enough blocks for ``batch_size`` sequences of ``capacity`` tokens each. With
     ``n_blocks`` given, ``capacity`` may be ``None``: a sequence may then grow until the pool runs out (``capacity``
@@ -56,8 +73,10 @@ class PagedKVCache(KVCache):
     scale for fp8/int8/int4.
 
     The batch starts as ``batch_size`` empty sequences; ``begin`` replaces it (with prefix hits), ``fork`` grows
-    it, so ``batch_size`` follows the batch. ``reserve`` raises ``PoolExhaustedError`` (a ``CacheCapacityError``)
-    before changing anything when the pool is short. With ``cascade=True``, a decode step reads the blocks every
+    it, ``use`` makes it any of the pool's sequences (``new_sequence`` adds them), so ``batch_size`` follows the
+    batch. Its sequences may sit at different lengths; such a batch steps one token per sequence (module
+    docstring). ``reserve`` raises ``PoolExhaustedError`` (a ``CacheCapacityError``) before changing anything when
+    the pool is short. With ``cascade=True``, a decode step of a batch at one length reads the blocks every
     sequence shares once.
     """
 
@@ -100,9 +119,9 @@ class PagedKVCache(KVCache):
         ]
         self._layer_token_bytes = shape.n_kv_heads * (self._keys[0].slot_bytes + self._values[0].slot_bytes)
         self._read_windows: list[int | None] = [None] * shape.n_layers  # as the layers last told them
-        self._seq_ids = [self.pool.add_sequence()[0] for _ in range(batch_size)]
-        self._pending: list[list[int]] = [[] for _ in range(batch_size)]  # known ids of tokens not yet reserved
-        self._start = 0
+        self._pending: dict[int, list[int]] = {}  # per pool sequence: known ids of tokens not yet reserved
+        self._seq_ids = [self._add([], 0)[0] for _ in range(batch_size)]
+        self._start: int | torch.Tensor = 0
         self._refresh()
 
     # -- shape --------------------------------------------------------------------------------------------------
@@ -112,7 +131,18 @@ class PagedKVCache(KVCache):
 
     @property
     def length(self) -> int:
-        return self.pool.length(self._seq_ids[0])
+        """Tokens stored in the longest sequence of the batch (each row's own: ``lengths``)."""
+        return self._length
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens stored per sequence, in batch order."""
+        return list(self._lengths)
+
+    @property
+    def seq_ids(self) -> list[int]:
+        """The pool sequences the batch runs on, in batch order (a copy: change the batch with ``use``)."""
+        return list(self._seq_ids)
 
     def block_tables(self) -> list[list[int]]:
         """One list of block ids per sequence, in batch order."""
@@ -134,20 +164,46 @@ class PagedKVCache(KVCache):
                 f"prompts: lengths {[len(r) for r in rows]}; allowed: one or more prompts of the same length >= 1"
             )
         for seq_id in self._seq_ids:
-            self.pool.free(seq_id)
+            self._drop(seq_id)
         hit_blocks = min(len(self.pool.cached_prefix(r)) for r in rows)
         n_cached = min(hit_blocks, (len(rows[0]) - 1) // self.block_size) * self.block_size
-        self._seq_ids = [self.pool.add_sequence(r, max_cached_tokens=n_cached)[0] for r in rows]
-        self._pending = [r[n_cached:] for r in rows]
+        self._seq_ids = [self._add(r, n_cached)[0] for r in rows]
         self._refresh()
         return n_cached
+
+    def new_sequence(self, token_ids: Sequence[int] | torch.Tensor = ()) -> tuple[int, int]:
+        """Add a sequence to the pool (not the batch) that starts with ``token_ids``; return ``(seq_id, n_cached)``.
+
+        As ``begin`` for one prompt: the sequence holds the prompt's leading tokens whose K/V are already in the
+        pool (whole blocks, fewer than ``len(token_ids)`` so that a prefill still yields the last token's logits);
+        the caller ``use``s it and prefills ``token_ids[n_cached:]``, whose ids the cache keeps until they are
+        stored, so their blocks can be cached.
+        """
+        rows = [int(t) for t in token_ids]
+        return self._add(rows, max(len(rows) - 1, 0) // self.block_size * self.block_size)
+
+    def use(self, seq_ids: Sequence[int]) -> None:
+        """Make the batch these pool sequences, in this order, at whatever lengths they are."""
+        ids, live = list(seq_ids), self.pool.sequences()
+        if not ids or len(set(ids)) != len(ids) or any(isinstance(s, bool) or s not in live for s in ids):
+            raise ValueError(f"seq_ids: {ids}; allowed: one or more distinct live sequence ids, from {live}")
+        self._seq_ids = ids
+        self._refresh()
+
+    def free(self, seq_id: int) -> None:
+        """Drop a pool sequence (its full blocks stay cached); if it is in the batch, it leaves the batch."""
+        self._drop(seq_id)
+        if seq_id in self._seq_ids:
+            self._seq_ids.remove(seq_id)
+            self._refresh()
 
     def fork(self, index: int) -> int:
         """Add a copy of sequence ``index`` to the batch, sharing its blocks (copy-on-write); return its index."""
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.batch_size:
             raise ValueError(f"index: {index!r}; allowed: an integer in [0, {self.batch_size})")
-        self._seq_ids.append(self.pool.fork(self._seq_ids[index]))
-        self._pending.append(list(self._pending[index]))
+        parent = self._seq_ids[index]
+        self._seq_ids.append(self.pool.fork(parent))
+        self._pending[self._seq_ids[-1]] = list(self._pending[parent])
         self._refresh()
         return self.batch_size - 1
 
@@ -160,40 +216,59 @@ class PagedKVCache(KVCache):
         rows = [[int(t) for t in r] for r in token_ids]
         if len(rows) != self.batch_size:
             raise ValueError(f"token_ids: {len(rows)} rows; allowed: one row per sequence ({self.batch_size})")
-        for pending, row in zip(self._pending, rows, strict=True):
-            pending.extend(row)
+        for seq_id, row in zip(self._seq_ids, rows, strict=True):
+            self._pending[seq_id].extend(row)
 
     def reset(self) -> None:
-        """Free every sequence (full blocks stay cached) and start ``batch_size`` empty ones."""
-        for seq_id in self._seq_ids:
-            self.pool.free(seq_id)
-        self._seq_ids = [self.pool.add_sequence()[0] for _ in self._seq_ids]
-        self._pending = [[] for _ in self._seq_ids]
+        """Free every pool sequence, in the batch or not (full blocks stay cached); the batch becomes
+        ``batch_size`` empty ones."""
+        for seq_id in list(self._pending):
+            self._drop(seq_id)
+        self._seq_ids = [self._add([], 0)[0] for _ in self._seq_ids]
         self._refresh()
 
     # -- a step -------------------------------------------------------------------------------------------------
-    def reserve(self, n_new: int) -> int:
+    def reserve(self, n_new: int) -> int | torch.Tensor:
+        """Claim ``n_new`` slots per sequence; return the first one's position: an int for a batch at one length,
+        a LongTensor ``[B]`` (each row's own) for a ragged batch, which takes ``n_new=1`` only."""
         require_int("n_new", n_new)
-        start = self.length
+        if self._ragged and n_new != 1:
+            raise ValueError(
+                f"n_new: {n_new} for a batch of sequences at different lengths (lengths {self._lengths}), which "
+                "takes one token per sequence; allowed: 1, or use([seq_id]) to prefill one sequence"
+            )
+        start = self._length
         if self._per_sequence_cap is not None and start + n_new > self._per_sequence_cap:
             raise CacheCapacityError(
                 f"KV cache full: {start} tokens stored, {n_new} more requested, capacity {self.capacity} per "
                 "sequence. Create the cache with a larger capacity (or capacity=None with n_blocks)."
             )
-        known = all(len(p) >= n_new for p in self._pending)
-        grant = self.pool.append(self._seq_ids, n_new, [p[:n_new] for p in self._pending] if known else None)
+        pending = [self._pending[s] for s in self._seq_ids]
+        known = all(len(p) >= n_new for p in pending)
+        grant = self.pool.append(self._seq_ids, n_new, [p[:n_new] for p in pending] if known else None)
         for src, dst in grant.copies:  # copy-on-write: the block is about to diverge from its other holders
             src_slots, dst_slots = (slice(b * self.block_size, (b + 1) * self.block_size) for b in (src, dst))
             for store in self._keys + self._values:
                 store.move(dst_slots, src_slots)
-        self._pending = [p[n_new:] if known else [] for p in self._pending]
-        self._start = start
-        if grant.copies or math.ceil(self.length / self.block_size) != self._table.shape[1]:
+        for seq_id, p in zip(self._seq_ids, pending, strict=True):
+            self._pending[seq_id] = p[n_new:] if known else []
+        before, self._length = self._lengths, start + n_new
+        self._lengths = [n + n_new for n in before]
+        if self._ragged:  # a row gains a block when its new token starts one
+            grew = any(n % self.block_size == 0 for n in before)
+            positions = torch.tensor(before, device=self.device)[:, None]  # [B, 1]
+        else:
+            grew = math.ceil(self._length / self.block_size) != self._table.shape[1]
+            positions = torch.arange(start, start + n_new, device=self.device)  # [T], the same for every row
+        if grant.copies or grew:
             self._refresh()  # most decode steps write into a block the table already lists
-        positions = torch.arange(start, start + n_new, device=self.device)
-        blocks = self._table[:, positions // self.block_size].long()  # [B, T]
+        if self._ragged:
+            blocks = self._table.gather(1, positions // self.block_size).long()  # [B, 1]
+        else:
+            blocks = self._table[:, positions // self.block_size].long()  # [B, T]
         self._slots = (slice(None), blocks * self.block_size + positions % self.block_size)  # -> [Hkv, B, T]
-        return start
+        self._start = positions[:, 0] if self._ragged else start
+        return self._start
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self._keys[layer].write(self._slots, k.permute(2, 0, 1, 3))
@@ -205,21 +280,25 @@ class PagedKVCache(KVCache):
         self._read_windows[layer] = window
         if q.shape[-2] > 1:
             return attend_slab(q, *self._gather(layer, self._table, 0, self.length), self._start, window)
-        # Decode: only the blocks holding the window's tokens, [first, length), are gathered.
-        first = 0 if window is None else max(0, self.length - window)
-        skip_blocks = first // self.block_size
-        n_shared = self._cascade_blocks()
-        if n_shared > skip_blocks:
-            prefix = n_shared * self.block_size
-            prefix_k_t, prefix_v = self._gather(layer, self._table[:1, skip_blocks:n_shared], first, prefix)
-            suffix = self._gather(layer, self._table[:, n_shared:], prefix, self.length)
-            out = cascade_decode_attention(q[..., 0, :], prefix_k_t[0], prefix_v[0], *suffix)
-        else:
-            out = decode_attention(q[..., 0, :], *self._gather(layer, self._table[:, skip_blocks:], first, self.length))
-        return out.unsqueeze(-2)
+        if not self._ragged:
+            return self._decode(layer, q[..., 0, :], self._table, self.length, window).unsqueeze(-2)
+        # Each row over its own blocks, so no row reads another's padding or a token past its own position.
+        rows = [
+            self._decode(layer, q[i : i + 1, ..., 0, :], self._table[i : i + 1], n, window)
+            for i, n in enumerate(self._lengths)
+        ]
+        return torch.cat(rows).unsqueeze(-2)
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies, ``[B, Hkv, S, D]`` each: the blocks are not contiguous, so there is no view to return."""
+        """Copies, ``[B, Hkv, S, D]`` each: the blocks are not contiguous, so there is no view to return.
+
+        A ragged batch has no such rectangle (``ValueError``); ``use([seq_id])`` reads one sequence.
+        """
+        if self._ragged:
+            raise ValueError(
+                f"read: the batch's sequences are at different lengths ({self._lengths}), which no [B, Hkv, S, D] "
+                "holds; allowed: a batch at one length; use([seq_id]) to read one sequence"
+            )
         k_t, v = self._gather(layer, self._table, 0, self.length)
         return k_t.transpose(-1, -2), v
 
@@ -241,37 +320,75 @@ class PagedKVCache(KVCache):
         return sum(s.nbytes for s in self._keys + self._values)
 
     def bytes_read_per_step(self, context: int | None = None) -> int:
-        """K/V and block-table bytes a decode step over ``context`` tokens (default ``length``) reads.
+        """K/V and block-table bytes a decode step over ``context`` tokens per sequence (default: each sequence's
+        own length) reads.
 
         Blocks are read whole (the unused tail of a last block too). A layer that told the cache its sliding window
-        reads only the blocks holding the window's tokens. Each layer reads the table entries of the blocks it
-        reads. With cascade, the shared blocks and their entries are read once for the batch; without, once per
-        sequence. ``context`` other than ``length`` keeps today's shared prefix, capped at ``context``.
+        reads only the blocks holding the window's tokens (per sequence, from its own position). Each layer reads
+        the table entries of the blocks it reads. With cascade, the shared blocks and their entries are read once
+        for the batch; without (or for a ragged batch), once per sequence. ``context`` other than ``length`` keeps
+        today's shared prefix, capped at ``context``.
         """
-        context = self.length if context is None else context
-        require_int("context", context, 0)
-        per_seq = math.ceil(context / self.block_size)
-        shared = min(self._cascade_blocks(), max(context - 1, 0) // self.block_size)
+        longest = self.length if context is None else context
+        require_int("context", longest, 0)
+        contexts = self._lengths if context is None else [context] * self.batch_size
+        size = self.block_size
+        shared = min(self._cascade_blocks(), max(longest - 1, 0) // size)
         n_read = 0  # blocks (of one layer) and table entries, summed over layers
         for window in self._read_windows:
-            skip = 0 if window is None else max(0, context - window) // self.block_size
-            layer_shared = max(0, shared - skip)
-            n_read += layer_shared + self.batch_size * (per_seq - skip - layer_shared)
+            skips = [0 if window is None else max(0, n - window) // size for n in contexts]
+            # Blocks are shared only in a batch at one length (cascade), where every row skips the same blocks.
+            layer_shared = max(0, shared - min(skips, default=0))
+            own = (math.ceil(n / size) - skip - layer_shared for n, skip in zip(contexts, skips, strict=True))
+            n_read += layer_shared + sum(own)
         layer_block_bytes = self.block_size * self._layer_token_bytes
         return round(n_read * layer_block_bytes) + n_read * TABLE_ENTRY_BYTES
 
     # -- internals ----------------------------------------------------------------------------------------------
     def _refresh(self) -> None:
-        """Rebuild the per-step view of the tables after the batch or its blocks changed."""
+        """Rebuild the per-step view of the batch (lengths, tables) after the batch or its blocks changed."""
         tables = self.block_tables()
         self.batch_size = len(tables)
-        self._table = torch.tensor(tables, dtype=torch.int32, device=self.device)  # [B, blocks per sequence]
-        # The block holding the newest token is never read as shared: the next write would copy it first.
-        self._n_shared = min(shared_prefix_blocks(tables), max(self.length - 1, 0) // self.block_size)
+        self._lengths = [self.pool.length(s) for s in self._seq_ids]
+        self._length = max(self._lengths, default=0)
+        self._ragged = len(set(self._lengths)) > 1
+        width = max((len(t) for t in tables), default=0)
+        padded = [t + [PAD_BLOCK] * (width - len(t)) for t in tables]
+        self._table = torch.tensor(padded, dtype=torch.int32, device=self.device).view(len(tables), width)  # [B, m]
+        # The block holding the newest token is never read as shared: the next write would copy it first. A
+        # ragged batch shares nothing: cascade needs every row to read the same prefix at the same length.
+        shared = 0 if self._ragged else shared_prefix_blocks(tables)
+        self._n_shared = min(shared, max(self.length - 1, 0) // self.block_size)
 
     def _cascade_blocks(self) -> int:
         """Blocks a decode step reads once for the whole batch: 0 unless cascade is on and there is sharing."""
         return self._n_shared if self.cascade and self.batch_size > 1 else 0
+
+    def _add(self, token_ids: list[int], max_cached_tokens: int) -> tuple[int, int]:
+        """A new pool sequence with ``token_ids``' prefix hits (at most ``max_cached_tokens``); the rest pending."""
+        seq_id, n_cached = self.pool.add_sequence(token_ids, max_cached_tokens)
+        self._pending[seq_id] = token_ids[n_cached:]
+        return seq_id, n_cached
+
+    def _drop(self, seq_id: int) -> None:
+        self.pool.free(seq_id)
+        del self._pending[seq_id]
+
+    def _decode(
+        self, layer: int, q: torch.Tensor, table: torch.Tensor, length: int, window: int | None
+    ) -> torch.Tensor:
+        """One query per row (``q``: ``[B, Hkv, G, D]``) over the ``length`` tokens of ``table``'s rows (``[B, m]``,
+        at one length). Only the blocks holding the window's tokens, ``[first, length)``, are gathered."""
+        first = 0 if window is None else max(0, length - window)
+        skip_blocks = first // self.block_size
+        n_shared = self._cascade_blocks()
+        if n_shared > skip_blocks:
+            prefix = n_shared * self.block_size
+            prefix_k_t, prefix_v = self._gather(layer, table[:1, skip_blocks:n_shared], first, prefix)
+            suffix = self._gather(layer, table[:, n_shared:], prefix, length)
+            return cascade_decode_attention(q, prefix_k_t[0], prefix_v[0], *suffix)
+        own = table[:, skip_blocks : math.ceil(length / self.block_size)]
+        return decode_attention(q, *self._gather(layer, own, first, length))
 
     def _gather(self, layer: int, table: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions ``start .. end-1`` of the blocks ``table`` (``[B, m]``) lists, its first block being the one
