@@ -27,7 +27,7 @@ LEVELS: tuple[tuple[str, ...], ...] = (
     ("kvlab.cache", "kvlab.cache.*"),
     ("kvlab.attention", "kvlab.mla"),
     ("kvlab.model",),
-    ("kvlab.bench", "kvlab.breakdown", "kvlab.quality", "kvlab.session", "kvlab.hf", "kvlab.pretrained",
+    ("kvlab.bench", "kvlab.breakdown", "kvlab.engine", "kvlab.quality", "kvlab.session", "kvlab.hf", "kvlab.pretrained",
      "kvlab.train"),
     ("kvlab.course", "kvlab.course.*", "kvlab.checks"),
     ("kvlab.cli",),
