@@ -115,6 +115,9 @@ class RunReport:
 
     ``duration_s`` runs from the clock's start (time 0 of the arrivals) to the last token. ``prefix_hit_tokens``
     counts prompt tokens whose K/V an admission found in the pool, readmissions after preemption included.
+    ``max_running`` is the most requests running at once (admitted, not finished); ``peak_blocks`` the most blocks
+    sequences held at once, counted after each model call stored its tokens (a cached block no sequence holds is
+    free, so it does not count).
     """
 
     results: list[RequestResult]
@@ -122,6 +125,8 @@ class RunReport:
     prefix_hit_tokens: int
     preemptions: int
     steps: int
+    max_running: int
+    peak_blocks: int
 
     @property
     def completed(self) -> list[RequestResult]:
@@ -324,7 +329,7 @@ class Engine:
         self.clock = self._make_clock(clock, gpu, bandwidth_gbps)
         self._waiting: deque[_Live] = deque()
         self._running: list[_Live] = []  # admission order: the last is the newest, preempted first
-        self._hits = self._preemptions = 0
+        self._hits = self._preemptions = self._max_running = self._peak_blocks = 0
 
     def _make_clock(self, clock: str | Clock, gpu: str | GPU | None, bandwidth_gbps: float | None) -> Clock:
         if clock == "simulated":
@@ -364,7 +369,7 @@ class Engine:
         arrivals = deque(sorted((x for x in live if errors[x.index] is None), key=lambda x: x.request.arrival_s))
         self._waiting.clear()
         self._running.clear()
-        self._hits = self._preemptions = steps = 0
+        self._hits = self._preemptions = self._max_running = self._peak_blocks = steps = 0
         self.clock.start()
         try:
             while arrivals or self._waiting or self._running:
@@ -375,6 +380,7 @@ class Engine:
                     self.clock.wait_until(arrivals[0].request.arrival_s)
                     continue
                 self._admit()
+                self._max_running = max(self._max_running, len(self._running))
                 self._step()
                 steps += 1
         finally:  # an error from the model must not leave blocks held
@@ -389,7 +395,9 @@ class Engine:
             )
             for x in live
         ]
-        return RunReport(results, self.clock.now(), self._hits, self._preemptions, steps)
+        return RunReport(
+            results, self.clock.now(), self._hits, self._preemptions, steps, self._max_running, self._peak_blocks
+        )
 
     def _reject(self, x: _Live) -> str | None:
         """Why the engine cannot serve this request (None if it can)."""
@@ -474,6 +482,7 @@ class Engine:
         if self.prefix_caching:  # so the generated tokens' blocks are cached too (a preempted request reuses them)
             self.cache.feed_tokens([[t] for t in last])
         logits = self.model.decode_step(torch.tensor(last, device=self.model.device), self.cache)
+        self._note_blocks()
         for x, token in zip(rows, logits.argmax(-1).tolist(), strict=True):
             self._sample(x, token, sampled)
         return [ModelCall(tuple((1, c) for c in cached))]
@@ -490,9 +499,13 @@ class Engine:
         chunk, x.todo = x.todo[:n], x.todo[n:]
         self.cache.use([x.seq_id])
         logits = self.model.prefill(torch.tensor([chunk], device=self.model.device), self.cache)
+        self._note_blocks()
         if not x.todo:
             self._sample(x, int(logits[0, -1].argmax()), sampled)
         return [ModelCall(((n, start),))]
+
+    def _note_blocks(self) -> None:
+        self._peak_blocks = max(self._peak_blocks, self.n_blocks - self.cache.pool.n_free)
 
     def _sample(self, x: _Live, token: int, sampled: list[_Live]) -> None:
         x.output.append(token)

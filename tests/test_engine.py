@@ -99,6 +99,19 @@ def test_prefix_hits_keep_the_tokens(model: Decoder) -> None:
     assert check_run(off, model, requests).prefix_hit_tokens == 0
 
 
+def test_peak_batch_and_blocks_follow_admission(model: Decoder) -> None:
+    # Six requests of 7 prompt + 2 new tokens at once: each needs ceil((7 + 1) / 4) = 2 blocks to be admitted and
+    # holds 2 blocks to the end (its 8 cached tokens fill two blocks exactly). 7 blocks admit 3 (3 x 2 = 6 <= 7 <
+    # 8), so at most 3 run and 6 blocks are held; random prompts share no block.
+    gen = torch.Generator().manual_seed(3)
+    requests = [Request(torch.randint(0, CFG.vocab_size, (7,), generator=gen).tolist(), 2) for _ in range(6)]
+    engine = Engine(model, n_blocks=7, block_size=4, max_batch=8, clock="simulated", bandwidth_gbps=BANDWIDTH_GBPS)
+    report = check_run(engine, model, requests)
+    assert (report.max_running, report.peak_blocks, report.preemptions) == (3, 6, 0)
+    engine.max_batch = 2
+    assert (engine.run(requests).max_running, engine.run(requests[:1]).max_running) == (2, 1)
+
+
 def trace_strategy() -> st.SearchStrategy:
     base = list(range(3, 40))  # prompts draw a prefix of it, so some share blocks
     request = st.builds(
