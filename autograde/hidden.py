@@ -11,9 +11,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvlab.bench import RequestTiming
+from kvlab.cache.base import CacheShape
 from kvlab.config import MLAConfig, ModelConfig, MoEConfig
-from kvlab.course import lesson00_orientation, lesson01_bytes_per_step, lesson02_roofline, lesson03_measuring_tpot
+from kvlab.course import (
+    lesson00_orientation,
+    lesson01_bytes_per_step,
+    lesson02_roofline,
+    lesson03_measuring_tpot,
+    lesson04_batching,
+    lesson05_prefix_caching,
+    lesson06_gqa_mqa_mla,
+)
+from kvlab.engine import Engine, Request, RequestResult, RunReport, SimulatedClock
+from kvlab.model import Decoder
+from kvlab.presets import get_model
 from kvlab.published import PublishedDecode
+from kvlab.roofline import kv_bytes_per_token, weight_bytes
 
 _GQA = ModelConfig(n_layers=6, d_model=384, n_heads=6, n_kv_heads=3, d_ff=1024, vocab_size=5003, name="hidden-gqa")
 # head_dim differs from d_model / n_heads here, as in Gemma and Qwen3: a formula that derives it fails.
@@ -170,3 +184,159 @@ check_crossover_context = _hidden(lesson03_measuring_tpot.check_crossover_contex
 def check_concat_cache(make_cache: Callable) -> None:
     """The concatenating cache on a one-layer GQA model and a batch of 3, not the public check's shape."""
     lesson03_measuring_tpot.check_concat_cache(make_cache, cfg=_GQA.replace(n_layers=1, max_seq_len=64), batch=3)
+
+
+# -- lesson 04 --
+
+
+def _made_up_run(token_times: tuple[tuple[float, ...], ...], duration_s: float) -> RunReport:
+    """A run report with these requests' token times (s since arrival); no times: a request the engine refused."""
+    results = [
+        RequestResult([3] * len(t), RequestTiming(t), error=None) if t else RequestResult([], None, error="refused")
+        for t in token_times
+    ]
+    return RunReport(results, duration_s, 0, 0, 1, len(results), 1)
+
+
+CASES.update(
+    {
+        # a MoE at batch 8 (more experts read than at 1), a tied bf16 MQA at batch 16, a GQA at an odd context
+        "check_step_bytes": ((_GQA, 3, 777), (_MOE, 8, 100), (_MQA_TIED, 16, 5000), (_MOE, 1, 2048)),
+        # a MoE in int8 K/V (its weights read are far fewer than it holds), weights that just do not fit, bf16
+        "check_max_batch_for_memory": (
+            (_MOE, weight_bytes(_MOE) + 3 * 999 * kv_bytes_per_token(_MOE, "int8") + 17, 999, "int8"),
+            (_GQA, weight_bytes(_GQA) - 1, 64, None),
+            (_MQA_TIED, 10**9, 12_345, None),
+            (_GQA, 5 * 10**8, 100_000, "fp8"),
+        ),
+        "check_max_batch_in_pool": ((100, 32, 33), (17, 16, 16), (9, 4, 3), (33, 8, 25)),
+        "check_allocation_waste": (
+            ((7, 900, 64, 1), 1024, 16),
+            ((5000, 12, 130), 8192, 128),
+            ((33, 33, 33, 33, 33), 64, 32),
+        ),
+        "check_throughput_latency": (
+            _made_up_run(((0.3, 0.5, 0.6, 0.65, 0.9, 1.0), (0.1,), (), (0.2, 0.28)), 1.1),
+            _made_up_run(tuple((0.01 * i, 0.01 * i + 0.004 * (1 + i % 3), 0.01 * i + 0.02) for i in range(40)), 0.5),
+        ),
+    }
+)
+check_step_bytes = _hidden(lesson04_batching.check_step_bytes)
+check_max_batch_for_memory = _hidden(lesson04_batching.check_max_batch_for_memory)
+check_max_batch_in_pool = _hidden(lesson04_batching.check_max_batch_in_pool)
+check_allocation_waste = _hidden(lesson04_batching.check_allocation_waste)
+
+
+def check_throughput_latency(fn: Callable) -> None:
+    """The made-up runs, and an engine's run on a simulated clock (deterministic) of a model and GPU the lesson does
+    not use, with a one-token request and one the engine refuses (a prompt longer than its pool)."""
+    model = Decoder(_GQA.replace(n_layers=1, max_seq_len=512), seed=3)
+    prompts = [list(range(i, i + 9 + 7 * i)) for i in range(6)]
+    requests = [
+        Request(p, n, arrival_s=0.002 * i) for i, (p, n) in enumerate(zip(prompts, (5, 1, 9, 3, 12, 2), strict=True))
+    ]
+    requests.append(Request(list(range(300)), 4))
+    clock = SimulatedClock.for_gpu(get_model("qwen3-8b"), "a100-80gb-sxm")
+    run = Engine(model, n_blocks=12, block_size=8, max_batch=3, clock=clock).run(requests)
+    cases = (*CASES["check_throughput_latency"], run)
+    lesson04_batching.check_throughput_latency(fn, cases=cases, reveal=False)
+
+
+# -- lesson 05 --
+
+_L05_SYSTEM = tuple(range(500, 533))  # 33 tokens: one past a whole number of blocks of 4, 8 and 32
+_L05_DOC = _L05_SYSTEM + tuple(range(900, 960))  # 93 tokens
+CASES.update(
+    {
+        # other lengths and block sizes; a block of one repeated token; the same block at several positions
+        "check_block_hashes": (
+            ((3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2, 7, 9, 5), 8),
+            (tuple(range(50)), 7),
+            ((42,) * 10 + (1, 2) * 6, 5),
+            (tuple(range(31)), 32),
+        ),
+        "check_prefix_hit_tokens": (
+            ((_L05_DOC,), _L05_DOC[:64], 32),  # two cached blocks, the prompt exactly two blocks: one is computed
+            ((_L05_DOC,), _L05_DOC, 4),  # 23 cached blocks; the cap takes none of them (93 - 1 = 92 = 23 x 4)
+            ((_L05_DOC,), _L05_SYSTEM + tuple(range(1, 20)), 4),  # the system prompt's 8 full blocks
+            ((_L05_SYSTEM, _L05_DOC), _L05_DOC[:40] + (0,), 8),
+            ((tuple(range(10)),), tuple(range(10)), 5),
+        ),
+        "check_turn_hits": (
+            ((50, 7, 20, 1, 33), (10, 5, 1, 9, 2), 8),
+            ((100, 28), (29, 4), 32),  # 100 + 29 - 1 = 128 stored: exactly four blocks
+            ((4, 4, 4, 4, 4), (4, 4, 4, 4, 4), 4),
+        ),
+        "check_ttft_saved": (
+            [
+                {
+                    "session": s,
+                    "turn": t,
+                    "message_len": 30 if t else 200,
+                    "answer_len": 50,
+                    "prompt_len": 200 + 80 * t,
+                    "hit_tokens": (200 + 80 * t - 31) // 16 * 16 if t else 0,
+                    "ttft_on_ms": on,
+                    "ttft_off_ms": off,
+                    "same_tokens": True,
+                }
+                for s, turns in enumerate(
+                    [
+                        [(9.0, 9.5), (4.0, 12.0), (5.0, 15.0)],
+                        [(11.0, 10.0), (3.5, 13.0), (6.5, 14.0)],
+                        [(8.0, 8.25), (7.0, 11.0), (4.5, 30.0)],
+                    ]
+                )
+                for t, (on, off) in enumerate(turns)
+            ],
+        ),
+        "check_blocks_needed": ((7, 333, 50, 16), (2, 48, 1, 16), (10, 129, 127, 64), (3, 5, 100, 4)),
+        "check_cascade_bytes": (
+            (32, 2048, 100, CacheShape(2, 1, 4)),
+            (2, 7, 3, CacheShape(1, 3, 5, "bf16")),
+            (5, 12345, 678, CacheShape(1, 1, 2, "fp16")),
+        ),
+    }
+)
+check_block_hashes = _hidden(lesson05_prefix_caching.check_block_hashes)
+check_turn_hits = _hidden(lesson05_prefix_caching.check_turn_hits)
+check_ttft_saved = _hidden(lesson05_prefix_caching.check_ttft_saved)
+check_blocks_needed = _hidden(lesson05_prefix_caching.check_blocks_needed)
+check_cascade_bytes = _hidden(lesson05_prefix_caching.check_cascade_bytes)
+
+
+def check_prefix_hit_tokens(fn: Callable, block_hashes: Callable) -> None:
+    """``lesson05_prefix_caching.check_prefix_hit_tokens`` on the hidden cases (with the learner's block_hashes)."""
+    lesson05_prefix_caching.check_prefix_hit_tokens(
+        fn, block_hashes, cases=CASES["check_prefix_hit_tokens"], reveal=False
+    )
+
+
+# -- lesson 06 --
+# An MLA mixture of experts with a query latent, v_head_dim unlike qk_nope_head_dim and FP8 experts: a count that
+# takes V as wide as the key, leaves out the query latent's weights, or reads every expert at every batch fails.
+_MLA_MOE = ModelConfig(
+    n_layers=7,
+    d_model=768,
+    n_heads=12,
+    vocab_size=7001,
+    dtype="bf16",
+    mla=MLAConfig(kv_lora_rank=384, qk_rope_head_dim=48, qk_nope_head_dim=96, v_head_dim=80, q_lora_rank=512),
+    moe=MoEConfig(n_experts=16, top_k=2, expert_d_ff=256, n_shared_experts=1, n_dense_layers=2),
+    weight_dtypes=(("experts", "fp8"),),
+    name="hidden-mla-moe",
+)
+CASES.update(
+    {
+        "check_predict_layouts": (_GQA, _MQA_TIED, _WIDE_HEADS, _ODD_A),
+        "check_split_slope": (((6, 3, 2, 1), (3.1, 1.7, 1.2, 0.9)), ((32, 8, 1), (40.0, 11.5, 3.25))),
+        "check_mla_kv_bytes": ((_MLA, 2), (_MLA_MOE, 1.0625), (_MLA_MOE, 0.5625)),
+        "check_absorbed_intensity": ((_MLA, 2), (_MLA_MOE, 1), (_MLA_MOE, 0.5625)),
+        "check_absorbed_step": ((_MLA, 5000, 3), (_MLA_MOE, 777, 16), (_MLA_MOE, 1, 1)),
+    }
+)
+check_predict_layouts = _hidden(lesson06_gqa_mqa_mla.check_predict_layouts)
+check_split_slope = _hidden(lesson06_gqa_mqa_mla.check_split_slope)
+check_mla_kv_bytes = _hidden(lesson06_gqa_mqa_mla.check_mla_kv_bytes)
+check_absorbed_intensity = _hidden(lesson06_gqa_mqa_mla.check_absorbed_intensity)
+check_absorbed_step = _hidden(lesson06_gqa_mqa_mla.check_absorbed_step)

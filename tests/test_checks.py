@@ -21,6 +21,9 @@ from kvlab.course import (
     lesson01_bytes_per_step,
     lesson02_roofline,
     lesson03_measuring_tpot,
+    lesson04_batching,
+    lesson05_prefix_caching,
+    lesson06_gqa_mqa_mla,
 )
 from kvlab.kernels import attend_slab
 from kvlab.timing import Bandwidth
@@ -518,7 +521,15 @@ def test_measure_again_stops_at_the_first_accepted_value():
 LESSON_MODULES = dict(
     zip(
         LESSONS,
-        (lesson00_orientation, lesson01_bytes_per_step, lesson02_roofline, lesson03_measuring_tpot),
+        (
+            lesson00_orientation,
+            lesson01_bytes_per_step,
+            lesson02_roofline,
+            lesson03_measuring_tpot,
+            lesson04_batching,
+            lesson05_prefix_caching,
+            lesson06_gqa_mqa_mla,
+        ),
         strict=True,
     )
 )

@@ -19,6 +19,7 @@ import pytest
 
 from autograde import hidden
 from kvlab import checks
+from kvlab.cache.block_pool import chain_hash
 from tests.conftest import LESSONS, REPO, run_autograde
 
 pytestmark = pytest.mark.notebooks
@@ -164,18 +165,39 @@ def test_grading_happened_in_the_copy(graded):
     assert graded[0] != REPO and (graded[0] / "autograde" / "gradebook.db").exists()
 
 
+def chained_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
+    """Lesson 05's exercise 1 answered right: one chained hash per full block."""
+    hashes, parent = [], None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = chain_hash(parent, tuple(token_ids[start : start + block_size]))
+        hashes.append(parent)
+    return hashes
+
+
 def hidden_expected_values(name: str) -> set[str]:
     """Every expected value lesson ``name``'s hidden checks would print if they revealed it, formatted as they would."""
     source = (REPO / "solutions" / name / f"{name}.ipynb").read_text()
     wrong_answers = {
         "check_request_metrics": lambda *a: {"ttft_ms": -1.0, "tpot_ms": -1.0, "itl_ms": [], "e2el_ms": -1.0},
         "check_fit_tpot": lambda *a: (-1.0, -1.0),
+        "check_step_bytes": lambda *a: (-1, -1),
+        "check_allocation_waste": lambda *a: (-1.0, -1.0),
+        "check_throughput_latency": lambda *a: dict.fromkeys(
+            ("output_tokens_per_s", "p50_tpot_ms", "p99_tpot_ms"), -1.0
+        ),
+        "check_turn_hits": lambda messages, *a: [-1] * len(messages),
+        "check_ttft_saved": lambda records: [(-1.0, -1.0)] * len({r["turn"] for r in records}),
+        "check_blocks_needed": lambda *a: (-1, -1),
+        "check_cascade_bytes": lambda *a: (-1, -1),
     }
+    # Checks that also take a learner's earlier answer get a right one, so that only the answer checked is wrong.
+    earlier_answers = {"check_prefix_hit_tokens": (chained_block_hashes,)}
     values = set()
     for check in set(re.findall(r"hidden\.(check_\w+)\(", source)) & set(hidden.CASES):
         for case in hidden.CASES[check]:
             try:
-                getattr(checks, check)(wrong_answers.get(check, lambda *a: -1), cases=[case], reveal=True)
+                wrong = wrong_answers.get(check, lambda *a: -1)
+                getattr(checks, check)(wrong, *earlier_answers.get(check, ()), cases=[case], reveal=True)
             except AssertionError as e:
                 values.update(re.findall(r"expected (-?[\d.e+-]+) \(", str(e)))
     # Short values (3072, 300.0) also occur in a lesson's own printouts; five significant digits do not by chance.

@@ -134,10 +134,17 @@ def _is_real(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
-def _exact_int(quantity: str, got: Any, want: int, unit: str, fix: str, reveal: bool, slips: Slips = ()) -> None:
+ROUND = "Return an int (round() a fractional count)."
+FLOOR = "Return an int, rounded down (// or math.floor): only whole ones fit."
+
+
+def _exact_int(
+    quantity: str, got: Any, want: int, unit: str, fix: str, reveal: bool, slips: Slips = (), to_int: str = ROUND
+) -> None:
+    """``got`` must be the int ``want``; ``to_int`` tells a learner who returned a float how to make it one."""
     if not _is_int(got):
         kind = type(got).__name__
-        _fail(quantity, got, f"an int number of {unit}, not a {kind}", "Return an int (round() a fractional count).")
+        _fail(quantity, got, f"an int number of {unit}, not a {kind}", to_int)
     if got != want:
         _fail(quantity, got, f"number of {unit}", fix + _hint(got, want, reveal, unit, slips), want, reveal)
 

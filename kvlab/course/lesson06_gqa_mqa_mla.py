@@ -1,0 +1,520 @@
+"""Lesson 06, GQA, MQA and MLA: the KV bytes of each layout at equal width, the measured slopes of fewer KV heads
+against their byte ratios, the slope split into a part per KV head and a part per query head, MLA's latent cache
+against the MHA cache it replaces, absorbed against naive decoding, and the FLOPs per byte that absorption costs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from kvlab.bench import Sweep, fit_line
+from kvlab.config import MLAConfig, ModelConfig
+from kvlab.course.grading import _call, _close, _exact_int, _fail, _label, _measure_again
+from kvlab.presets import get_model
+from kvlab.roofline import (
+    active_params,
+    kv_bytes_per_step,
+    kv_bytes_per_token,
+    kv_element_bytes,
+    kv_elements_per_token_per_layer,
+    mla_attention_flops,
+    weight_bytes_read,
+)
+
+__all__ = [
+    "ABSORBED_MAX_SHARE",
+    "LAYOUT_MAX_RATIO",
+    "LAYOUT_MIN_OF_BYTES",
+    "check_absorbed_intensity",
+    "check_absorbed_share",
+    "check_absorbed_step",
+    "check_layout_ratios",
+    "check_mla_kv_bytes",
+    "check_predict_layouts",
+    "check_query_side",
+    "check_split_slope",
+]
+
+
+# -- exercise 1: the layouts of one width ---------------------------------------------------------------------------
+def _layout_models() -> tuple[ModelConfig, ...]:
+    # qwen3-4b's head_dim (128) is not d_model / n_heads (80): a count that derives it fails there. smollm2-135m's 9
+    # heads have divisors 1, 3 and 9: a learner who halves n_heads to list the layouts fails there.
+    return get_model("cpu-small"), get_model("llama-3.1-8b"), get_model("qwen3-4b"), get_model("smollm2-135m")
+
+
+def _layout_slips(cfg: ModelConfig, n_kv_heads: int, exact: int) -> list[tuple[float, str]]:
+    """The values a layout's KV bytes take with one named mistake, the likeliest first."""
+    slips: list[tuple[float, str]] = []
+    if n_kv_heads != cfg.n_kv_heads:
+        own = "It is the bytes of the config's own layout (cfg.n_kv_heads): use the n_kv_heads of the layout asked."
+        slips.append((kv_bytes_per_token(cfg), own))
+    if n_kv_heads != cfg.n_heads:
+        mha = "It counts n_heads KV heads: a layout caches K and V once per KV head, n_kv_heads of them."
+        slips.append((kv_bytes_per_token(cfg.replace(n_kv_heads=cfg.n_heads)), mha))
+    derived = cfg.d_model // cfg.n_heads
+    if derived != cfg.head_dim:
+        wrong = round(2 * cfg.n_layers * n_kv_heads * derived * kv_element_bytes(cfg.dtype))
+        slips.append((wrong, f"It takes head_dim as d_model / n_heads ({derived}); use cfg.head_dim ({cfg.head_dim})."))
+    slips.append((exact / cfg.n_layers, "It is one layer's bytes: multiply by n_layers."))
+    slips.append((exact * 8, "It is 8 times the expected value: bits per element instead of bytes?"))
+    return slips
+
+
+def check_predict_layouts(
+    fn: Callable[[ModelConfig], Mapping[int, tuple[int, float]]],
+    cases: Iterable[ModelConfig] | None = None,
+    reveal: bool = True,
+) -> None:
+    """``fn(cfg)`` -> ``{n_kv_heads: (kv_bytes_per_token, ratio_to_mha)}`` for every layout of ``cfg``'s width.
+
+    The layouts are every ``n_kv_heads`` that divides ``n_heads`` (1 is MQA, ``n_heads`` is MHA); each keeps
+    ``d_model``, ``n_heads``, ``head_dim``, the layers and the dtype. Expected: ``kv_bytes_per_token`` of
+    ``cfg.replace(n_kv_heads=...)``, and its ratio to the MHA layout's, the slope ratio the bytes predict.
+    """
+    for cfg in _layout_models() if cases is None else cases:
+        label = f"predict_layouts({_label(cfg)}, {cfg.n_heads} query heads)"
+        got = _call(label, fn, cfg)
+        divisors = [k for k in range(1, cfg.n_heads + 1) if cfg.n_heads % k == 0]
+        if not isinstance(got, Mapping):
+            _fail(label, type(got).__name__, "a dict {n_kv_heads: (bytes, ratio)}", "Return a dict.")
+        if sorted(got) != divisors:
+            _fail(
+                f"{label} keys",
+                sorted(got),
+                f"every divisor of n_heads={cfg.n_heads}, 1 and {cfg.n_heads} included",
+                "A layout groups n_heads / n_kv_heads query heads on each KV head, so n_kv_heads must divide n_heads.",
+            )
+        mha_bytes = kv_bytes_per_token(cfg.replace(n_kv_heads=cfg.n_heads))
+        for n_kv_heads in divisors:
+            entry = got[n_kv_heads]
+            quantity = f"{label}[{n_kv_heads}]"
+            if not (isinstance(entry, Sequence) and len(entry) == 2):
+                _fail(quantity, entry, "a pair (kv_bytes_per_token, ratio_to_mha)", "Return two numbers per layout.")
+            exact = kv_bytes_per_token(cfg.replace(n_kv_heads=n_kv_heads))
+            fix = (
+                "Per token and layer a layout caches K and V for each of its n_kv_heads heads of cfg.head_dim "
+                "elements, at the bytes of cfg.dtype (roofline.kv_element_bytes(cfg.dtype)), over n_layers."
+            )
+            _exact_int(
+                f"{quantity} bytes", entry[0], exact, "bytes", fix, reveal, _layout_slips(cfg, n_kv_heads, exact)
+            )
+            inverted = ((mha_bytes / exact, "It is inverted: the layout's bytes over MHA's, not MHA's over it."),)
+            fix = "The layout's KV bytes per token divided by the MHA layout's (n_kv_heads = n_heads) at this width."
+            _close(f"{quantity} ratio", entry[1], exact / mha_bytes, "a ratio", fix, reveal, slips=inverted)
+
+
+# -- exercise 2: the measured slopes against the byte ratios ----------------------------------------------------------
+# The band for a layout's measured slope over MHA's (n_kv_heads = n_heads), the layouts timed interleaved in one
+# process against one bandwidth measurement. No layout may be steeper than LAYOUT_MAX_RATIO x MHA, and none flatter
+# than LAYOUT_MIN_OF_BYTES x the ratio its KV bytes predict: a step still reads a layout's cached bytes, and every
+# query head still does its own work over them, so a layout cannot beat its bytes by much.
+# Set from lesson 06's solution on the course's 2-core AMD EPYC (32 MiB L3), one thread, while two other lessons ran
+# on the same cores (load average 4-5), first measurements before any remeasure:
+# - quick mode (cpu-tiny, 1k-8k tokens), 32 runs: GQA-2 0.52-1.67 (median 0.81), MQA 0.07-1.19 (median 0.53). The
+#   three outside the band (GQA-2 at 1.67, MQA at 0.07 and 0.09) were scattered lines (R² 0.01-0.10) and came back
+#   inside when measured again;
+# - full mode (cpu-small, 2k-16k tokens), 4 runs: GQA-4 0.51-1.34, GQA-2 0.27-0.86, MQA 0.13-0.60, the lowest 1.01x
+#   its byte ratio; 4 more runs while this lesson's own calibration also ran gave up to 1.81 (GQA-4, R² 0.51).
+# The spread is real, not only noise: how far a layout sits above its byte ratio depends on how fast memory is
+# against arithmetic at that moment (lesson 06, section 3), and a product of two query rows per KV head (GQA-4 on
+# cpu-small) has measured as steep as MHA's. A ratio of 2 would mean half the bytes took twice MHA's time per token;
+# below half the byte ratio, the cache would stream at twice the rate MHA's did.
+LAYOUT_MAX_RATIO = 2.0
+LAYOUT_MIN_OF_BYTES = 0.5
+# Where a layout falls outside, the check times all the layouts again (up to LAYOUT_REMEASURES times) before it fails.
+LAYOUT_REMEASURES = 3
+
+
+def _mha_key(sweeps: Mapping[int, Sweep]) -> int:
+    return max(sweeps)
+
+
+def _check_layout_sweeps(sweeps: Any, name: str = "sweeps") -> None:
+    """``sweeps`` must be ``{n_kv_heads: Sweep}`` measured together: one bandwidth object, the same contexts."""
+    fix = "Pass the dict the layout cell made: {n_kv_heads: Sweep}, MHA (n_kv_heads = n_heads) included."
+    if not isinstance(sweeps, Mapping) or len(sweeps) < 2:
+        _fail(name, type(sweeps).__name__, "a dict of at least two sweeps, keyed by n_kv_heads", fix)
+    for key, sweep in sweeps.items():
+        if not (isinstance(key, int) and isinstance(sweep, Sweep)):
+            _fail(f"{name}[{key!r}]", type(sweep).__name__, "a kvlab.bench.Sweep under an int n_kv_heads", fix)
+    first = next(iter(sweeps.values()))
+    contexts = [p.context for p in first.points]
+    for key, sweep in sweeps.items():
+        if sweep.bandwidth is not first.bandwidth:
+            _fail(
+                f"{name}[{key}].bandwidth",
+                "another measurement",
+                "one Bandwidth object shared by every layout's sweep",
+                "Time the layouts interleaved, in this kernel, against one bandwidth measurement.",
+            )
+        if [p.context for p in sweep.points] != contexts:
+            _fail(
+                f"{name}[{key}] contexts", [p.context for p in sweep.points], f"{contexts}", "Sweep one context list."
+            )
+
+
+def _slope_ratios(sweeps: Mapping[int, Sweep]) -> dict[int, float]:
+    mha = sweeps[_mha_key(sweeps)].fit.slope
+    return {key: sweep.fit.slope / mha for key, sweep in sweeps.items()}
+
+
+def _outside_band(ratios: Mapping[int, float], byte_ratios: Mapping[int, float]) -> list[str]:
+    """One sentence per layout whose measured ratio is outside the band; empty when every layout is inside."""
+    out = []
+    for key, ratio in sorted(ratios.items(), reverse=True):
+        low = LAYOUT_MIN_OF_BYTES * byte_ratios[key]
+        if not low <= ratio <= LAYOUT_MAX_RATIO:
+            out.append(f"{key} KV heads: {ratio:.3f}, allowed {low:.3f} to {LAYOUT_MAX_RATIO}")
+    return out
+
+
+def check_layout_ratios(
+    measured_ratios: Mapping[int, float],
+    sweeps: Mapping[int, Sweep],
+    remeasure: Callable[[], Mapping[int, Sweep]] | None = None,
+) -> None:
+    """Each layout's measured slope over MHA's, from your sweeps, and inside the band.
+
+    Consistency: ``measured_ratios[n]`` is ``sweeps[n]``'s fitted slope over the MHA sweep's (the largest key).
+    Band: no layout steeper than ``LAYOUT_MAX_RATIO`` x MHA, none flatter than ``LAYOUT_MIN_OF_BYTES`` x its byte
+    ratio. ``remeasure`` times every layout again and returns a new ``{n_kv_heads: Sweep}``: where a layout falls
+    outside, the check measures again, up to ``LAYOUT_REMEASURES`` times, before it fails.
+    """
+    _check_layout_sweeps(sweeps)
+    if not isinstance(measured_ratios, Mapping) or set(measured_ratios) != set(sweeps):
+        keys = list(measured_ratios) if isinstance(measured_ratios, Mapping) else type(measured_ratios).__name__
+        _fail(
+            "measured_ratios",
+            keys,
+            f"a dict with the sweeps' keys {sorted(sweeps)}",
+            "One ratio per layout, MHA's own (1.0) included.",
+        )
+    mha = _mha_key(sweeps)
+    byte_ratios = {key: s.kv_bytes_per_token / sweeps[mha].kv_bytes_per_token for key, s in sweeps.items()}
+    want = _slope_ratios(sweeps)
+    for key, ratio in want.items():
+        intercepts = sweeps[key].fit.intercept / sweeps[mha].fit.intercept
+        slips = (
+            (1 / ratio, "It is inverted: the layout's slope over MHA's, not MHA's over the layout's."),
+            (byte_ratios[key], "It is the byte ratio, the prediction: divide the measured slopes (sweep.fit.slope)."),
+            (intercepts, "It divides the intercepts: the slope (sweep.fit.slope) is what the KV bytes set."),
+        )
+        fix = "The layout's fitted slope over the MHA sweep's: sweeps[n].fit.slope / sweeps[n_heads].fit.slope."
+        _close(f"measured_ratios[{key}]", measured_ratios[key], ratio, "a ratio", fix, True, rel=1e-6, slips=slips)
+
+    def measure() -> list[str]:
+        again = remeasure()
+        _check_layout_sweeps(again, "remeasure()")
+        return _outside_band(_slope_ratios(again), byte_ratios)
+
+    times = LAYOUT_REMEASURES if remeasure is not None else 0
+    outside = _measure_again(lambda problems: not problems, measure, times, value=_outside_band(want, byte_ratios))
+    if outside:
+        _fail(
+            "measured slope / MHA slope",
+            "; ".join(outside),
+            "every layout inside the band",
+            "The ratios are your sweeps' own, so this is the machine: most likely other processes' load during the "
+            "timing. Re-run the layout cell, then this one.",
+        )
+
+
+# -- exercise 3: a part per KV head, a part per query head -----------------------------------------------------------
+_SPLIT_CASES = (((8, 4, 2, 1), (2.30, 1.25, 0.71, 0.45)), ((4, 1), (1.0, 0.4)), ((16, 8, 4), (3.3, 1.8, 1.1)))
+
+
+def check_split_slope(
+    fn: Callable[[Sequence[int], Sequence[float]], tuple[float, float]],
+    sweeps: Mapping[int, Sweep] | None = None,
+    cases: Iterable[tuple[Sequence[int], Sequence[float]]] = _SPLIT_CASES,
+    reveal: bool = True,
+) -> None:
+    """``fn(kv_heads, slopes_us)`` -> ``(a_us, b_us)``, the least-squares line ``slope = a x n_kv_heads + b``.
+
+    With ``sweeps``, first on their own slopes (µs per token), sorted by ``n_kv_heads``: consistency with your data.
+    """
+    data = []
+    if sweeps is not None:
+        _check_layout_sweeps(sweeps)
+        data.append((sorted(sweeps), [sweeps[key].fit.slope * 1e3 for key in sorted(sweeps)]))
+    for kv_heads, slopes in [*data, *cases]:
+        label = f"split_slope({list(kv_heads)}, {[round(s, 4) for s in slopes]})"
+        got = _call(label, fn, list(kv_heads), list(slopes))
+        if not (isinstance(got, Sequence) and len(got) == 2):
+            _fail(label, got, "a pair (a_us, b_us)", "Return the slope per KV head and the part left at 0 KV heads.")
+        ref = fit_line(kv_heads, slopes)
+        swapped = ((ref.intercept, "It is the intercept b: return (a, b), the slope per KV head first."),)
+        fix = "Least squares of slope against n_kv_heads: a = cov(x, y) / var(x), b = mean(y) - a x mean(x)."
+        _close(f"{label} a", got[0], ref.slope, "µs per token per KV head", fix, reveal, rel=1e-6, slips=swapped)
+        swapped = ((ref.slope, "It is the slope a: return (a, b), the intercept second."),)
+        _close(f"{label} b", got[1], ref.intercept, "µs per token", fix, reveal, rel=1e-6, slips=swapped)
+
+
+def check_query_side(query_side_us: float, sweeps: Mapping[int, Sweep], one_head_sweep: Sweep) -> None:
+    """The query side's part of the slope, measured: MQA against the same model with one query head.
+
+    Both read one KV head's bytes per token and layer, so their slopes differ only by the work of the extra
+    ``n_heads - 1`` query heads; scaled to all ``n_heads`` heads: ``(MQA slope - one head's) x n_heads /
+    (n_heads - 1)``, in µs per token. Consistency with your sweeps, not a band.
+    """
+    _check_layout_sweeps(sweeps)
+    if 1 not in sweeps:
+        _fail("sweeps", sorted(sweeps), "an MQA sweep (key 1) among them", "Sweep n_kv_heads = 1 too.")
+    if not isinstance(one_head_sweep, Sweep) or one_head_sweep.bandwidth is not sweeps[1].bandwidth:
+        _fail(
+            "one_head_sweep",
+            type(one_head_sweep).__name__,
+            "the one-query-head model's Sweep, timed with the layouts",
+            "Pass the sweep of the model with n_heads = 1, timed in the same cell as the layouts.",
+        )
+    n_heads = _mha_key(sweeps)
+    difference = (sweeps[1].fit.slope - one_head_sweep.fit.slope) * 1e3
+    slips = (
+        (difference, f"It is the extra {n_heads - 1} query heads' work: scale it to all {n_heads} of them."),
+        (difference / (n_heads - 1), "It is one query head's work: multiply by n_heads for all of them."),
+        (difference * n_heads / (n_heads - 1) / 1e3, "It is in ms per token: return µs (x 1000)."),
+    )
+    fix = "(MQA slope - one-head slope) x n_heads / (n_heads - 1), slopes in µs per token (sweep.fit.slope x 1000)."
+    want = difference * n_heads / (n_heads - 1)
+    _close("query_side_us", query_side_us, want, "µs per token", fix, True, rel=1e-6, slips=slips)
+
+
+# -- exercise 5: MLA's latent against the MHA cache it replaces ------------------------------------------------------
+def _course_mla(cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` with MLA in DeepSeek's proportions at its own head size D: latent rank 2D, RoPE key D/2, no-RoPE
+    query/key D, value D (DeepSeek-V3: D = 128, rank 512 = 4D, RoPE 64). The lesson's runnable MLA model."""
+    d = cfg.head_dim
+    mla = MLAConfig(kv_lora_rank=2 * d, qk_rope_head_dim=d // 2, qk_nope_head_dim=d, v_head_dim=d)
+    return cfg.replace(mla=mla, head_dim=None, name=f"{cfg.name}-mla")
+
+
+def _mla_models() -> tuple[tuple[ModelConfig, float], ...]:
+    return (
+        (get_model("deepseek-v3"), 2),
+        (_course_mla(get_model("cpu-tiny")), 4),
+        (_course_mla(get_model("cpu-small")), 4),
+        (get_model("deepseek-v3"), 0.5625),  # int4 with a 16-bit scale per 64: fractional counts, rounded
+    )
+
+
+def _mha_equivalent_bytes(cfg: ModelConfig, size: float) -> float:
+    """Bytes per token of the per-head K and V that MLA's heads use: n_heads x (qk_nope + qk_rope + v) per layer."""
+    m = cfg.mla
+    return cfg.n_layers * cfg.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * size
+
+
+def check_mla_kv_bytes(
+    fn: Callable[[ModelConfig, float], tuple[int, int]],
+    cases: Iterable[tuple[ModelConfig, float]] | None = None,
+    reveal: bool = True,
+) -> None:
+    """``fn(cfg, bytes_per_element)`` -> ``(latent_bytes, mha_bytes)`` per token, all layers, of an MLA model.
+
+    ``latent_bytes``: the latent cache, ``kv_lora_rank + qk_rope_head_dim`` elements per layer (as
+    ``kvlab.roofline.kv_bytes_per_token``); ``mha_bytes``: the per-head keys and values MLA's heads attend over,
+    ``n_heads x (qk_nope_head_dim + qk_rope_head_dim + v_head_dim)`` per layer, which an MHA cache would hold.
+    """
+    for cfg, size in _mla_models() if cases is None else cases:
+        if cfg.mla is None:
+            raise ValueError(f"cases: {cfg.name} has no MLA shape; allowed: MLA configs only")
+        m = cfg.mla
+        label = f"mla_kv_bytes({_label(cfg)}, bytes_per_element={size})"
+        got = _call(label, fn, cfg, size)
+        if not (isinstance(got, Sequence) and len(got) == 2):
+            _fail(label, got, "a pair (latent_bytes, mha_bytes)", "Return two ints.")
+        latent = cfg.n_layers * kv_elements_per_token_per_layer(cfg) * size
+        latent_slips = (
+            (
+                round(latent * cfg.n_heads),
+                "It counts a latent per head: MLA caches one latent per layer, shared by every head.",
+            ),
+            (
+                round(cfg.n_layers * (2 * m.kv_lora_rank + m.qk_rope_head_dim) * size),
+                "It stores c_kv twice, as K and as V: the value is the key's first kv_lora_rank channels, stored once.",
+            ),
+            (round(cfg.n_layers * m.kv_lora_rank * size), "It leaves out the RoPE key (qk_rope_head_dim per layer)."),
+            (round(latent / cfg.n_layers), "It is one layer's bytes: multiply by n_layers."),
+        )
+        fix = "Per layer, one latent of kv_lora_rank + qk_rope_head_dim elements, over n_layers, at bytes_per_element."
+        _exact_int(f"{label} latent_bytes", got[0], round(latent), "bytes", fix, reveal, latent_slips)
+        mha = _mha_equivalent_bytes(cfg, size)
+        mha_slips = (
+            (
+                round(2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * size),
+                "It gives V the key's width: V is v_head_dim.",
+            ),
+            (
+                round(cfg.n_layers * cfg.n_heads * (m.qk_nope_head_dim + m.v_head_dim) * size),
+                "It leaves out each head's RoPE key part (qk_rope_head_dim).",
+            ),
+            (round(mha / cfg.n_layers), "It is one layer's bytes: multiply by n_layers."),
+        )
+        fix = "Per layer, each head's key (qk_nope + qk_rope) and value (v_head_dim), n_heads of them, over n_layers."
+        _exact_int(f"{label} mha_bytes", got[1], round(mha), "bytes", fix, reveal, mha_slips)
+
+
+# -- exercise 6: absorbed against naive, measured --------------------------------------------------------------------
+# The band for the absorbed path's slope as a share of the naive path's, the two timed interleaved on the lesson's MLA
+# model. The naive path re-expands every cached latent to per-head keys and values at every step, 2 r H (n + v) FLOPs
+# per cached token and layer, 57x the absorbed path's 2 H (2r + p) on the lesson's shape; on a CPU that runs at
+# the matmul rate, far slower than reading the latent. Measured with the runs above: quick mode (128-1k tokens),
+# 32 runs, -0.31 to 0.19 (median 0.07; the absorbed line is nearly flat, so its slope is mostly noise and can come
+# out negative); full mode (256-2k tokens), 4 runs, -0.03 to 0.08. The naive line is clean (R² >= 0.94). At most
+# half the naive slope leaves room for that noise and still fails sweeps passed the wrong way round (ratio 12 or more).
+ABSORBED_MAX_SHARE = 0.5
+ABSORBED_REMEASURES = 3
+
+
+def check_absorbed_share(
+    absorbed_share: float,
+    naive_sweep: Sweep,
+    absorbed_sweep: Sweep,
+    remeasure: Callable[[], tuple[Sweep, Sweep]] | None = None,
+) -> None:
+    """The absorbed path's measured slope over the naive path's, from your sweeps, at most ``ABSORBED_MAX_SHARE``.
+
+    ``remeasure`` times both paths again and returns ``(naive, absorbed)``: where the share is too high, the check
+    measures again, up to ``ABSORBED_REMEASURES`` times, before it fails.
+    """
+    for name, sweep in (("naive_sweep", naive_sweep), ("absorbed_sweep", absorbed_sweep)):
+        if not isinstance(sweep, Sweep):
+            _fail(name, type(sweep).__name__, "a kvlab.bench.Sweep", "Pass the sweeps the naive/absorbed cell made.")
+    if naive_sweep.bandwidth is not absorbed_sweep.bandwidth:
+        _fail(
+            "absorbed_sweep.bandwidth",
+            "another measurement",
+            "the naive sweep's Bandwidth object",
+            "Time both paths interleaved, in this kernel, against one bandwidth measurement.",
+        )
+    want = absorbed_sweep.fit.slope / naive_sweep.fit.slope
+    slips = ((1 / want, "It is inverted: the absorbed slope over the naive slope, not the naive over the absorbed."),)
+    fix = "absorbed_sweep.fit.slope / naive_sweep.fit.slope."
+    _close("absorbed_share", absorbed_share, want, "a ratio of slopes", fix, True, rel=1e-6, slips=slips)
+
+    def measure() -> float:
+        naive, absorbed = remeasure()
+        return absorbed.fit.slope / naive.fit.slope
+
+    times = ABSORBED_REMEASURES if remeasure is not None else 0
+    share = _measure_again(lambda s: s <= ABSORBED_MAX_SHARE, measure, times, value=want)
+    if not share <= ABSORBED_MAX_SHARE:
+        _fail(
+            "absorbed slope / naive slope",
+            round(share, 3),
+            f"at most {ABSORBED_MAX_SHARE}",
+            "The share is your sweeps' own: check that the naive sweep is the model with set_absorb(model, False) "
+            "and the absorbed one the model with set_absorb(model, True). If so, this is load from other processes: "
+            "re-run the naive/absorbed cell, then this one.",
+        )
+
+
+# -- exercise 7: the FLOPs per byte absorbed attention does ----------------------------------------------------------
+def _intensity_models() -> tuple[tuple[ModelConfig, float], ...]:
+    return (
+        (get_model("deepseek-v3"), 2),
+        (get_model("deepseek-v3"), 1),
+        (_course_mla(get_model("cpu-tiny")), 4),
+        (_course_mla(get_model("cpu-small")), 2),
+    )
+
+
+def check_absorbed_intensity(
+    fn: Callable[[ModelConfig, float], float],
+    cases: Iterable[tuple[ModelConfig, float]] | None = None,
+    reveal: bool = True,
+) -> None:
+    """``fn(cfg, bytes_per_element)`` -> FLOPs per cached byte of absorbed MLA attention, in one layer.
+
+    Each cached token costs ``2 H (2r + p)`` FLOPs (``mla_attention_flops(cfg, S).attend_latent / S``) and
+    ``r + p`` elements of ``bytes_per_element``; the ratio does not depend on the context or the layers.
+    """
+    for cfg, size in _intensity_models() if cases is None else cases:
+        if cfg.mla is None:
+            raise ValueError(f"cases: {cfg.name} has no MLA shape; allowed: MLA configs only")
+        m, h = cfg.mla, cfg.n_heads
+        label = f"absorbed_intensity({_label(cfg)}, bytes_per_element={size})"
+        token_bytes = kv_elements_per_token_per_layer(cfg) * size
+        want = mla_attention_flops(cfg, 1).attend_latent / token_bytes
+        slips = (
+            (2 * h * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) / token_bytes, _MHA_FLOPS_SLIP),
+            (2 * h * 2 * m.kv_lora_rank / token_bytes, "It leaves out the RoPE part of the scores (p per head)."),
+            (2 * h * (m.kv_lora_rank + m.qk_rope_head_dim) / token_bytes, _ONE_PRODUCT_SLIP),
+            (want * cfg.n_layers, "It divides by one layer's bytes but counts every layer's FLOPs, or the reverse."),
+            (want / cfg.n_layers, "It divides by every layer's bytes but counts one layer's FLOPs."),
+            (want / 8, "It divides by bits, not bytes."),
+        )
+        fix = (
+            "Per cached token and layer: 2 x n_heads x (2 kv_lora_rank + qk_rope_head_dim) FLOPs (scores against "
+            "[c_kv | k_rope], then the weighted sum of c_kv), over (kv_lora_rank + qk_rope_head_dim) x bytes."
+        )
+        _close(label, _call(label, fn, cfg, size), want, "FLOP per byte", fix, reveal, slips=slips)
+
+
+_MHA_FLOPS_SLIP = "It counts attention over per-head K/V, 2 H (n + p + v): absorbed attention works in the latent."
+_ONE_PRODUCT_SLIP = "It counts the scores only: the weighted sum of the latents (2 H r per token) costs FLOPs too."
+
+
+# -- exercise 8: a whole absorbed step, FLOPs and bytes ---------------------------------------------------------------
+def _step_cases() -> tuple[tuple[ModelConfig, int, int], ...]:
+    ds = get_model("deepseek-v3")
+    return (ds, 4096, 1), (ds, 32_768, 64), (ds, 131_072, 7), (_course_mla(get_model("cpu-tiny")), 1024, 4)
+
+
+def check_absorbed_step(
+    fn: Callable[[ModelConfig, int, int], tuple[int, int]],
+    cases: Iterable[tuple[ModelConfig, int, int]] | None = None,
+    reveal: bool = True,
+) -> None:
+    """``fn(cfg, context, batch)`` -> ``(flops, n_bytes)`` of one absorbed decode step of an MLA model.
+
+    FLOPs: per sequence, 2 per parameter a token uses (``active_params(cfg)``; absorbed attention applies each
+    attention weight once per token, ``W_uk`` and ``W_uv`` included) plus, per layer, ``attend_latent`` over the
+    context. Bytes: ``weight_bytes_read(cfg, batch=batch)`` (the checkpoint's dtypes, the experts the batch routes
+    to) plus ``kv_bytes_per_step(cfg, context, batch)`` (the latents, in ``cfg.dtype``).
+    """
+    for cfg, context, batch in _step_cases() if cases is None else cases:
+        if cfg.mla is None:
+            raise ValueError(f"cases: {cfg.name} has no MLA shape; allowed: MLA configs only")
+        label = f"absorbed_step({_label(cfg)}, context={context}, batch={batch})"
+        got = _call(label, fn, cfg, context, batch)
+        if not (isinstance(got, Sequence) and len(got) == 2):
+            _fail(label, got, "a pair (flops, n_bytes)", "Return two ints.")
+        per_token = 2 * active_params(cfg)
+        f = mla_attention_flops(cfg, context)
+        flops = batch * (per_token + cfg.n_layers * f.attend_latent)
+        flop_slips = (
+            (batch * (per_token + cfg.n_layers * (f.expand + f.attend_expanded)), _NAIVE_SLIP),
+            (batch * (per_token + cfg.n_layers * f.attend_expanded), _MHA_FLOPS_SLIP),
+            (batch * (per_token + cfg.n_layers * (f.absorb + f.attend_latent)), _ABSORB_TWICE_SLIP),
+            (per_token + cfg.n_layers * f.attend_latent, "It is one sequence's FLOPs: every sequence does its own."),
+            (batch * (2 * active_params(cfg, batch) + cfg.n_layers * f.attend_latent), _BATCH_PARAMS_SLIP),
+        )
+        fix = (
+            "Per sequence: 2 x roofline.active_params(cfg), plus n_layers x mla_attention_flops(cfg, context)"
+            ".attend_latent; times batch."
+        )
+        _exact_int(f"{label} flops", got[0], flops, "FLOPs", fix, reveal, flop_slips)
+        weights, kv = weight_bytes_read(cfg, batch=batch), kv_bytes_per_step(cfg, context, batch)
+        byte_slips = (
+            (batch * weight_bytes_read(cfg) + kv, "It reads the weights once per sequence: a batch shares them."),
+            (weight_bytes_read(cfg) + kv, "It reads one sequence's experts: pass batch to weight_bytes_read."),
+            (
+                weights + kv_bytes_per_step(cfg, context),
+                "It reads one sequence's latents: each sequence reads its own cache.",
+            ),
+            (weights + round(batch * _mha_equivalent_bytes(cfg, kv_element_bytes(cfg.dtype)) * context), _MHA_KV_SLIP),
+        )
+        fix = "roofline.weight_bytes_read(cfg, batch=batch) + roofline.kv_bytes_per_step(cfg, context, batch)."
+        _exact_int(f"{label} n_bytes", got[1], weights + kv, "bytes", fix, reveal, byte_slips)
+
+
+_NAIVE_SLIP = "It counts the naive path (re-expanding every cached latent): the absorbed step attends in the latent."
+_ABSORB_TWICE_SLIP = (
+    "It counts folding W_uk and W_uv (absorb) on top of active_params, which already holds those weights: count once."
+)
+_BATCH_PARAMS_SLIP = (
+    "It counts every expert the batch routes to for each sequence: each sequence multiplies by its own experts "
+    "only, active_params(cfg) at batch 1."
+)
+_MHA_KV_SLIP = "It reads per-head K/V: an absorbed step reads only the latents (roofline.kv_bytes_per_step)."

@@ -1,0 +1,344 @@
+"""Lesson 06's checkers (GQA, MQA, MLA): a right answer passes silently, a likely wrong one fails with a message that
+names the fix, hidden checks withhold the expected value, and the measured checks are tested on fabricated sweeps
+(the remeasure replaced), so nothing here is timed."""
+
+from __future__ import annotations
+
+import pytest
+
+from autograde import hidden
+from kvlab import checks, get_model, roofline
+from kvlab.bench import RequestTiming, Sweep, SweepPoint, fit_line
+from kvlab.config import MLAConfig
+from kvlab.course import lesson06_gqa_mqa_mla as lesson06
+from kvlab.timing import Bandwidth
+
+BW = Bandwidth("cpu", 64.0, copy_gbps=10.0, read_gbps=10.0, copy_best_gbps=11.0, read_best_gbps=11.0, threads=1)
+
+
+def assert_silent(capsys: pytest.CaptureFixture, check, *args, **kwargs) -> None:
+    check(*args, **kwargs)
+    out, err = capsys.readouterr()
+    assert out == "" and err == "", f"{check.__name__} printed on success: {out!r} {err!r}"
+
+
+def assert_fails(check, *args, match: str, **kwargs) -> str:
+    with pytest.raises(AssertionError, match=match) as info:
+        check(*args, **kwargs)
+    return str(info.value)
+
+
+# -- reference answers, written the way a learner would -------------------------------------------------------------
+def predict_layouts(cfg):
+    size = roofline.kv_element_bytes(cfg.dtype)
+    mha = 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * size
+    out = {}
+    for h in range(1, cfg.n_heads + 1):
+        if cfg.n_heads % h == 0:
+            n_bytes = 2 * cfg.n_layers * h * cfg.head_dim * size
+            out[h] = (round(n_bytes), n_bytes / mha)
+    return out
+
+
+def split_slope(kv_heads, slopes_us):
+    fit = fit_line(kv_heads, slopes_us)
+    return fit.slope, fit.intercept
+
+
+def mla_kv_bytes(cfg, size):
+    m = cfg.mla
+    latent = cfg.n_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * size
+    return round(latent), round(
+        cfg.n_layers * cfg.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * size
+    )
+
+
+def absorbed_intensity(cfg, size):
+    m = cfg.mla
+    return 2 * cfg.n_heads * (2 * m.kv_lora_rank + m.qk_rope_head_dim) / ((m.kv_lora_rank + m.qk_rope_head_dim) * size)
+
+
+def absorbed_step(cfg, context, batch):
+    m = cfg.mla
+    attention = cfg.n_layers * 2 * context * cfg.n_heads * (2 * m.kv_lora_rank + m.qk_rope_head_dim)
+    flops = batch * (2 * roofline.active_params(cfg) + attention)
+    return flops, roofline.weight_bytes_read(cfg, batch=batch) + roofline.kv_bytes_per_step(cfg, context, batch)
+
+
+def fake_sweep(slope_us: float, kv_per_token: float, bandwidth: Bandwidth = BW, intercept_ms: float = 2.0) -> Sweep:
+    """A sweep whose TPOTs lie exactly on a line, so measured checks run without timing anything."""
+    points = []
+    for context in (1024, 2048, 4096, 8192):
+        tpot = intercept_ms + slope_us * 1e-3 * context
+        points.append(SweepPoint(context, 1, [RequestTiming((tpot / 1e3, 2 * tpot / 1e3))], 0, 0.0))
+    return Sweep("fake", "cpu", 1, "fast", bandwidth, kv_per_token, 0, points)
+
+
+def layout_sweeps(slopes_us: dict[int, float], bandwidth: Bandwidth = BW) -> dict[int, Sweep]:
+    """Fabricated sweeps of layouts of 8 query heads: {n_kv_heads: Sweep}, 1,024 B per KV head and token."""
+    return {h: fake_sweep(slope, 1024.0 * h, bandwidth, intercept_ms=2.0 + 0.1 * h) for h, slope in slopes_us.items()}
+
+
+PLAUSIBLE = {8: 2.4, 4: 2.2, 2: 1.5, 1: 1.1}  # µs per token: above each byte ratio, none steeper than MHA
+
+
+def ratios_of(sweeps: dict[int, Sweep]) -> dict[int, float]:
+    return {h: s.fit.slope / sweeps[8].fit.slope for h, s in sweeps.items()}
+
+
+# -- right answers pass silently, public and hidden ------------------------------------------------------------------
+FUNCTIONS = [
+    (checks.check_predict_layouts, hidden.check_predict_layouts, predict_layouts),
+    (checks.check_split_slope, hidden.check_split_slope, split_slope),
+    (checks.check_mla_kv_bytes, hidden.check_mla_kv_bytes, mla_kv_bytes),
+    (checks.check_absorbed_intensity, hidden.check_absorbed_intensity, absorbed_intensity),
+    (checks.check_absorbed_step, hidden.check_absorbed_step, absorbed_step),
+]
+
+
+@pytest.mark.parametrize(("check", "hidden_check", "answer"), FUNCTIONS, ids=[c.__name__ for c, _, _ in FUNCTIONS])
+def test_right_answer_passes_silently(capsys, check, hidden_check, answer):
+    assert_silent(capsys, check, answer)
+    assert_silent(capsys, hidden_check, answer)
+
+
+def test_measured_right_answers_pass_silently(capsys):
+    sweeps = layout_sweeps(PLAUSIBLE)
+    assert_silent(capsys, checks.check_layout_ratios, ratios_of(sweeps), sweeps)
+    assert_silent(capsys, checks.check_split_slope, split_slope, sweeps)
+    one_head = fake_sweep(0.7, 1024.0)
+    query_side = (sweeps[1].fit.slope - one_head.fit.slope) * 1e3 * 8 / 7
+    assert_silent(capsys, checks.check_query_side, query_side, sweeps, one_head)
+    naive, absorbed = fake_sweep(20.0, 640.0), fake_sweep(0.5, 640.0)
+    assert_silent(capsys, checks.check_absorbed_share, absorbed.fit.slope / naive.fit.slope, naive, absorbed)
+
+
+# -- exercise 1 ------------------------------------------------------------------------------------------------------
+def test_predict_layouts_slips_are_named():
+    def own_layout(cfg):
+        return {h: (roofline.kv_bytes_per_token(cfg), r) for h, (_, r) in predict_layouts(cfg).items()}
+
+    assert_fails(checks.check_predict_layouts, own_layout, match="config's own layout")
+
+    def derived_head_dim(cfg):
+        return predict_layouts(cfg.replace(head_dim=cfg.d_model // cfg.n_heads))
+
+    assert_fails(checks.check_predict_layouts, derived_head_dim, match=r"head_dim as d_model / n_heads \(80\)")
+
+    def inverted(cfg):
+        return {h: (b, 1 / r) for h, (b, r) in predict_layouts(cfg).items()}
+
+    assert_fails(checks.check_predict_layouts, inverted, match="inverted")
+
+    def powers_of_two(cfg):
+        return {h: v for h, v in predict_layouts(cfg).items() if h & (h - 1) == 0}
+
+    assert_fails(checks.check_predict_layouts, powers_of_two, match="every divisor of n_heads=9")
+    assert_fails(checks.check_predict_layouts, lambda cfg: [1, 2], match="Return a dict")
+
+
+def test_predict_layouts_one_layer_and_bits():
+    def one_layer(cfg):
+        return predict_layouts(cfg.replace(n_layers=1))
+
+    assert_fails(checks.check_predict_layouts, one_layer, match="one layer's bytes")
+
+    def bits(cfg):
+        # on the MHA entry only: on the others, 8 x the bytes can equal another layout's (cpu-small: 1 KV head x 8)
+        return {h: (b * 8 if h == cfg.n_heads else b, r) for h, (b, r) in predict_layouts(cfg).items()}
+
+    assert_fails(checks.check_predict_layouts, bits, match="bits per element")
+
+
+def test_hidden_checks_withhold_the_expected_value():
+    def off_by_one(cfg):
+        return {h: (b + 1, r) for h, (b, r) in predict_layouts(cfg).items()}
+
+    message = assert_fails(hidden.check_predict_layouts, off_by_one, match="does not reveal")
+    assert str(predict_layouts(hidden._GQA)[1][0]) not in message  # the first hidden case's right count
+    message = assert_fails(hidden.check_absorbed_intensity, lambda cfg, size: 1.0, match="does not reveal")
+    assert f"{absorbed_intensity(hidden._MLA, 2)!r}" not in message
+    # a slip's hint would give the value away too: none is named
+    message = assert_fails(hidden.check_mla_kv_bytes, lambda cfg, size: (0, 0), match="does not reveal")
+    assert "It " not in message.split("does not reveal")[1]
+
+
+# -- exercise 2 ------------------------------------------------------------------------------------------------------
+def test_layout_ratios_consistency_slips():
+    sweeps = layout_sweeps(PLAUSIBLE)
+    right = ratios_of(sweeps)
+    assert_fails(checks.check_layout_ratios, {h: 1 / r for h, r in right.items()}, sweeps, match="inverted")
+    assert_fails(checks.check_layout_ratios, {h: h / 8 for h in right}, sweeps, match="byte ratio, the prediction")
+    assert_fails(checks.check_layout_ratios, {8: 1.0, 1: right[1]}, sweeps, match="One ratio per layout")
+
+
+def test_layout_ratios_need_one_bandwidth_measurement():
+    sweeps = layout_sweeps(PLAUSIBLE)
+    other = Bandwidth("cpu", 64.0, 10.0, 10.0, 11.0, 11.0, threads=1)
+    sweeps[1] = fake_sweep(PLAUSIBLE[1], 1024.0, other)
+    assert_fails(checks.check_layout_ratios, ratios_of(sweeps), sweeps, match="one Bandwidth object")
+
+
+def test_layout_band_measures_again_before_failing(capsys):
+    steep = layout_sweeps({8: 2.4, 4: 5.0, 2: 1.5, 1: 1.1})  # GQA-4 at 2.08 x MHA: outside
+    calls = []
+
+    def fine_again():
+        calls.append(1)
+        return layout_sweeps(PLAUSIBLE)
+
+    assert_silent(capsys, checks.check_layout_ratios, ratios_of(steep), steep, remeasure=fine_again)
+    assert len(calls) == 1
+    calls.clear()
+
+    def steep_again():
+        calls.append(1)
+        return steep
+
+    message = assert_fails(checks.check_layout_ratios, ratios_of(steep), steep, remeasure=steep_again, match="band")
+    assert "4 KV heads: 2.083" in message and len(calls) == lesson06.LAYOUT_REMEASURES
+
+
+def test_layout_band_fails_a_layout_that_beats_its_bytes():
+    fast = layout_sweeps({8: 2.4, 4: 1.2, 2: 0.6, 1: 0.1})  # MQA at 0.04 x MHA for 0.125 x the bytes
+    message = assert_fails(checks.check_layout_ratios, ratios_of(fast), fast, match="band")
+    assert "1 KV heads" in message and "2 KV heads" not in message
+
+
+def test_layout_band_judges_an_inside_measurement_at_once():
+    def never():
+        raise AssertionError("a measurement inside the band needs no second")
+
+    sweeps = layout_sweeps(PLAUSIBLE)
+    checks.check_layout_ratios(ratios_of(sweeps), sweeps, remeasure=never)
+
+
+# -- exercises 3 and 4 -----------------------------------------------------------------------------------------------
+def test_split_slope_swapped_and_inconsistent():
+    assert_fails(checks.check_split_slope, lambda x, y: split_slope(x, y)[::-1], match="return \\(a, b\\)")
+    sweeps = layout_sweeps(PLAUSIBLE)
+
+    def one_point_off(x, y):
+        return split_slope(x, [*y[:-1], y[-1] + 0.5])
+
+    assert_fails(checks.check_split_slope, one_point_off, sweeps, match="Least squares")
+
+
+def test_query_side_slips():
+    sweeps = layout_sweeps(PLAUSIBLE)
+    one_head = fake_sweep(0.7, 1024.0)
+    difference = (sweeps[1].fit.slope - one_head.fit.slope) * 1e3
+    assert_fails(checks.check_query_side, difference, sweeps, one_head, match="scale it to all 8")
+    assert_fails(checks.check_query_side, difference / 7, sweeps, one_head, match="one query head's work")
+    assert_fails(checks.check_query_side, difference * 8 / 7 / 1e3, sweeps, one_head, match="ms per token")
+    elsewhere = fake_sweep(0.7, 1024.0, Bandwidth("cpu", 64.0, 10.0, 10.0, 11.0, 11.0, threads=1))
+    assert_fails(checks.check_query_side, difference * 8 / 7, sweeps, elsewhere, match="same cell")
+
+
+# -- exercise 5 ------------------------------------------------------------------------------------------------------
+def test_mla_kv_bytes_slips_are_named():
+    def per_head(cfg, size):
+        latent, mha = mla_kv_bytes(cfg, size)
+        return latent * cfg.n_heads, mha
+
+    assert_fails(checks.check_mla_kv_bytes, per_head, match="one latent per layer, shared")
+
+    def k_and_v(cfg, size):
+        m = cfg.mla
+        return round(cfg.n_layers * (2 * m.kv_lora_rank + m.qk_rope_head_dim) * size), mla_kv_bytes(cfg, size)[1]
+
+    assert_fails(checks.check_mla_kv_bytes, k_and_v, match="stores c_kv twice")
+
+    def v_as_wide_as_k(cfg, size):
+        return mla_kv_bytes(cfg, size)[0], round(2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * size)
+
+    assert_fails(checks.check_mla_kv_bytes, v_as_wide_as_k, match="V is v_head_dim")
+
+
+# -- exercise 6 ------------------------------------------------------------------------------------------------------
+def test_absorbed_share_inverted_and_band(capsys):
+    naive, absorbed = fake_sweep(20.0, 640.0), fake_sweep(0.5, 640.0)
+    assert_fails(checks.check_absorbed_share, 40.0, naive, absorbed, match="inverted")
+    flat_naive = fake_sweep(0.8, 640.0)
+    share = absorbed.fit.slope / flat_naive.fit.slope  # 0.625: above the band
+    calls = []
+
+    def again(pair):
+        def remeasure():
+            calls.append(1)
+            return pair
+
+        return remeasure
+
+    assert_silent(capsys, checks.check_absorbed_share, share, flat_naive, absorbed, remeasure=again((naive, absorbed)))
+    assert len(calls) == 1
+    calls.clear()
+    assert_fails(
+        checks.check_absorbed_share,
+        share,
+        flat_naive,
+        absorbed,
+        remeasure=again((flat_naive, absorbed)),
+        match=f"at most {lesson06.ABSORBED_MAX_SHARE}",
+    )
+    assert len(calls) == lesson06.ABSORBED_REMEASURES
+    # without a way to measure again, the first measurement is judged
+    assert_fails(checks.check_absorbed_share, share, flat_naive, absorbed, match="at most")
+    other = Bandwidth("cpu", 64.0, 10.0, 10.0, 11.0, 11.0, threads=1)
+    assert_fails(checks.check_absorbed_share, 0.025, naive, fake_sweep(0.5, 640.0, other), match="Bandwidth object")
+
+
+# -- exercises 7 and 8 -----------------------------------------------------------------------------------------------
+def test_absorbed_intensity_slips_are_named():
+    def per_head_flops(cfg, size):
+        m = cfg.mla
+        return (
+            2
+            * cfg.n_heads
+            * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+            / ((m.kv_lora_rank + m.qk_rope_head_dim) * size)
+        )
+
+    assert_fails(checks.check_absorbed_intensity, per_head_flops, match="attends in the latent|works in the latent")
+
+    def no_rope(cfg, size):
+        m = cfg.mla
+        return 2 * cfg.n_heads * 2 * m.kv_lora_rank / ((m.kv_lora_rank + m.qk_rope_head_dim) * size)
+
+    assert_fails(checks.check_absorbed_intensity, no_rope, match="RoPE part of the scores")
+
+
+def test_absorbed_step_slips_are_named():
+    def naive(cfg, context, batch):
+        f = roofline.mla_attention_flops(cfg, context)
+        flops = batch * (2 * roofline.active_params(cfg) + cfg.n_layers * (f.expand + f.attend_expanded))
+        return flops, absorbed_step(cfg, context, batch)[1]
+
+    assert_fails(checks.check_absorbed_step, naive, match="naive path")
+
+    def weights_per_sequence(cfg, context, batch):
+        flops, _ = absorbed_step(cfg, context, batch)
+        return flops, batch * roofline.weight_bytes_read(cfg) + roofline.kv_bytes_per_step(cfg, context, batch)
+
+    assert_fails(checks.check_absorbed_step, weights_per_sequence, match="a batch shares them")
+
+    def batch_experts(cfg, context, batch):
+        flops, n_bytes = absorbed_step(cfg, context, batch)
+        extra = 2 * batch * (roofline.active_params(cfg, batch) - roofline.active_params(cfg))
+        return flops + extra, n_bytes
+
+    assert_fails(checks.check_absorbed_step, batch_experts, match="its own experts")
+    assert_fails(checks.check_absorbed_step, lambda cfg, c, b: 7, match="a pair")
+
+
+def test_mla_checks_refuse_a_config_without_mla():
+    with pytest.raises(ValueError, match="MLA configs only"):
+        checks.check_absorbed_intensity(absorbed_intensity, cases=[(get_model("cpu-tiny"), 4)])
+
+
+def test_course_mla_shape_is_runnable_and_four_times_smaller():
+    cfg = lesson06._course_mla(get_model("cpu-tiny"))
+    assert cfg.mla == MLAConfig(kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64)
+    assert cfg.runnable
+    latent, mha = mla_kv_bytes(cfg, 4)
+    assert mha == 4 * latent
