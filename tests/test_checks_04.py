@@ -4,6 +4,7 @@ the expected value to themselves, and the measured check is judged on fabricated
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 
@@ -309,3 +310,20 @@ def test_allocation_waste_hidden_withholds_the_expected_value():
 def test_a_fractional_count_is_told_to_round_down():
     fails(checks.check_max_batch_for_memory, lambda cfg, memory, context, kv_dtype=None: 3.0, match="rounded down")
     fails(checks.check_max_batch_in_pool, lambda n_blocks, block_size, prompt_len: 2.5, match="rounded down")
+
+
+def test_throughput_latency_that_keeps_none_tpots_is_told_to_leave_them_out():
+    def keeps_none(report):
+        tpots = sorted(r.tpot_ms for r in report.results)
+        return {"output_tokens_per_s": 0.0, "p50_tpot_ms": tpots[0], "p99_tpot_ms": tpots[-1]}
+
+    fails(checks.check_throughput_latency, keeps_none, match="leave those requests out")
+
+
+def test_throughput_latency_with_exclusive_quantiles_is_named():
+    def exclusive(report):
+        tpots = [r.tpot_ms for r in report.results if r.tpot_ms is not None]
+        q = statistics.quantiles(tpots, n=100)
+        return {"output_tokens_per_s": report.output_tokens_per_s, "p50_tpot_ms": q[49], "p99_tpot_ms": q[98]}
+
+    fails(checks.check_throughput_latency, exclusive, match="exclusive")

@@ -5,6 +5,7 @@ bytes, then in the engine's blocks), and the allocation waste of contiguous rese
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -226,7 +227,15 @@ def check_throughput_latency(
     for i, report in enumerate([*reports, *cases]):
         whose = f"your run {i + 1}" if i < len(reports) else f"a made-up run {i + 1 - len(reports)}"
         label = f"throughput_latency({whose})"
-        got = _call(label, fn, report)
+        try:
+            got = _call(label, fn, report)
+        except AssertionError as e:
+            if "NoneType" not in str(e):
+                raise
+            raise AssertionError(
+                f"{e}. A request of one output token, or one the engine refused, has tpot_ms None: leave those "
+                "requests out of the percentiles."
+            ) from e
         if not isinstance(got, Mapping) or any(k not in got for k in _THROUGHPUT_KEYS):
             _fail(label, got, f"a dict with the keys {', '.join(_THROUGHPUT_KEYS)}", "Return a dict.")
         tpots = [r.tpot_ms for r in report.results if r.tpot_ms is not None]
@@ -245,6 +254,11 @@ def check_throughput_latency(
                 "requests whose tpot_ms is not None."
             )
             slips = [(percentile(itl, p), "It is a percentile of every ITL gap; TPOT is one number per request.")]
+            if len(tpots) > 1:  # statistics.quantiles needs two points
+                exclusive = statistics.quantiles(tpots, n=100)[p - 1]
+                slips.append(
+                    (exclusive, "statistics.quantiles defaults to 'exclusive'; interpolate linearly (lesson 03).")
+                )
             _close(f"{label}[{key!r}]", got[key], percentile(tpots, p), "ms", fix, reveal, slips=slips)
 
 
