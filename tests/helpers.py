@@ -1,6 +1,7 @@
-"""Small shared builders for the tests: tiny model shapes that run in milliseconds, and a greedy-token check that
-holds on any CPU."""
+"""Small shared builders for the tests: tiny model shapes that run in milliseconds, a greedy-token check that
+holds on any CPU, and the two ways a course checker is called (it passes silently, or fails saying what to fix)."""
 
+import pytest
 import torch
 
 from kvlab import ModelConfig
@@ -29,3 +30,17 @@ def assert_greedy_picks(tokens: torch.Tensor, logits: torch.Tensor, rtol: float,
         f"rows' maximum, allowed {allowed.max().item():.3g}; tokens {tokens.tolist()}, "
         f"argmax {logits.argmax(-1).tolist()}"
     )
+
+
+def assert_silent(capsys: pytest.CaptureFixture, check, *args, **kwargs) -> None:
+    """``check(*args, **kwargs)`` passes and prints nothing (nbgrader zeroes a cell that writes to stderr)."""
+    check(*args, **kwargs)
+    out, err = capsys.readouterr()
+    assert out == "" and err == "", f"{check.__name__} printed on success: {out!r} {err!r}"
+
+
+def assert_fails(check, *args, match: str, **kwargs) -> str:
+    """``check(*args, **kwargs)`` raises AssertionError matching ``match``; returns the message."""
+    with pytest.raises(AssertionError, match=match) as info:
+        check(*args, **kwargs)
+    return str(info.value)

@@ -28,18 +28,7 @@ from kvlab.course import (
 from kvlab.kernels import attend_slab
 from kvlab.timing import Bandwidth
 from tests.conftest import LESSONS, REPO
-
-
-def assert_silent(capsys: pytest.CaptureFixture, check, *args, **kwargs) -> None:
-    check(*args, **kwargs)
-    out, err = capsys.readouterr()
-    assert out == "" and err == "", f"{check.__name__} printed on success: {out!r} {err!r}"
-
-
-def assert_fails(check, *args, match: str, **kwargs) -> str:
-    with pytest.raises(AssertionError, match=match) as info:
-        check(*args, **kwargs)
-    return str(info.value)
+from tests.helpers import assert_fails, assert_silent
 
 
 # -- reference answers, written the way a learner would -----------------------------------------------------------

@@ -12,12 +12,7 @@ from autograde import hidden
 from kvlab import checks, get_model
 from kvlab.course import grading, lesson00_orientation, lesson01_bytes_per_step
 from kvlab.timing import Bandwidth
-
-
-def fails(check, *args, match: str, **kwargs) -> str:
-    with pytest.raises(AssertionError, match=match) as info:
-        check(*args, **kwargs)
-    return str(info.value)
+from tests.helpers import assert_fails
 
 
 # -- reference answers, written from the lessons' text ------------------------------------------------------------
@@ -69,12 +64,12 @@ def test_quick_mode_right_rule_passes_public_and_hidden():
 
 @pytest.mark.parametrize("rule", NEAR_MISSES.values(), ids=NEAR_MISSES)
 def test_quick_mode_near_misses_fail_public_and_hidden(rule):
-    fails(checks.check_quick_mode, rule, match="quick_mode")
-    fails(hidden.check_quick_mode, rule, match="quick_mode")
+    assert_fails(checks.check_quick_mode, rule, match="quick_mode")
+    assert_fails(hidden.check_quick_mode, rule, match="quick_mode")
 
 
 def test_quick_mode_message_names_the_case_at_fault():
-    message = fails(checks.check_quick_mode, NEAR_MISSES["NBGRADER truthy"], match="NBGRADER_EXECUTION")
+    message = assert_fails(checks.check_quick_mode, NEAR_MISSES["NBGRADER truthy"], match="NBGRADER_EXECUTION")
     assert 'even ""' in message and "expected True" in message
 
 
@@ -94,8 +89,8 @@ ROUNDING_SLIPS = {
 
 @pytest.mark.parametrize(("check", "wrong"), ROUNDING_SLIPS.values(), ids=ROUNDING_SLIPS)
 def test_kv_and_weights_reject_any_int_but_the_nearest(check, wrong):
-    assert "nearest integer" in fails(check, wrong, match="bytes_per_element=0.5625")
-    fails(getattr(hidden, check.__name__), wrong, match="hidden-odd")
+    assert "nearest integer" in assert_fails(check, wrong, match="bytes_per_element=0.5625")
+    assert_fails(getattr(hidden, check.__name__), wrong, match="hidden-odd")
 
 
 def test_kv_and_weights_right_answers_pass_hidden_cases():
@@ -110,12 +105,12 @@ def query_heads(cfg, size):
 
 def test_query_heads_named_not_bits_when_the_ratio_is_not_eight():
     cfg = get_model("llama-3.1-8b").replace(n_kv_heads=2, name="gqa-16")  # 32 heads / 2: a factor 16
-    message = fails(checks.check_kv_bytes_per_token, query_heads, cases=[(cfg, 2)], match="gqa-16")
+    message = assert_fails(checks.check_kv_bytes_per_token, query_heads, cases=[(cfg, 2)], match="gqa-16")
     assert "query heads (n_heads)" in message and "bits" not in message
 
 
 def test_query_heads_named_alone_where_bits_give_the_same_value():
-    message = fails(checks.check_kv_bytes_per_token, query_heads, match="llama-3.1-70b")  # 64 / 8 heads: also 8x
+    message = assert_fails(checks.check_kv_bytes_per_token, query_heads, match="llama-3.1-70b")  # 64 / 8 heads: also 8x
     assert "query heads" in message and "bits" not in message  # the likeliest cause alone, no red herring
 
 
@@ -123,7 +118,9 @@ def test_bits_named_on_a_model_without_grouped_heads():
     def bits(cfg, size):
         return kv_bytes(cfg, size * 8)
 
-    message = fails(checks.check_kv_bytes_per_token, bits, cases=[(get_model("llama-2-7b"), 2)], match="llama-2-7b")
+    message = assert_fails(
+        checks.check_kv_bytes_per_token, bits, cases=[(get_model("llama-2-7b"), 2)], match="llama-2-7b"
+    )
     assert "bits per element" in message and "query heads" not in message
 
 
@@ -131,35 +128,35 @@ def test_weights_with_query_heads_for_kv_named():
     def wrong(cfg, size):
         return weight_bytes(cfg.replace(n_kv_heads=cfg.n_heads), size)
 
-    assert "n_kv_heads x head_dim" in fails(checks.check_weight_bytes, wrong, match="llama-3.1-70b")
+    assert "n_kv_heads x head_dim" in assert_fails(checks.check_weight_bytes, wrong, match="llama-3.1-70b")
 
 
 def test_copy_time_in_ms_blames_the_time_not_the_bandwidth_unit():
-    message = fails(checks.check_copy_gbps, lambda n, ms: 2 * n / (ms * 1e3) / 1e9, match="copy_gbps")
+    message = assert_fails(checks.check_copy_gbps, lambda n, ms: 2 * n / (ms * 1e3) / 1e9, match="copy_gbps")
     assert "1/1000" in message and "times in ms" in message and "GB vs MB" not in message
 
 
 def test_stream_time_in_seconds_is_named():
-    message = fails(checks.check_stream_ms, lambda n, gbps: n / (gbps * 1e9), match="stream_ms")
+    message = assert_fails(checks.check_stream_ms, lambda n, gbps: n / (gbps * 1e9), match="stream_ms")
     assert "in seconds? Return milliseconds" in message
 
 
 def test_copy_counted_once_is_named():
-    assert "also writes" in fails(checks.check_copy_gbps, lambda n, s: n / s / 1e9, match="copy_gbps")
+    assert "also writes" in assert_fails(checks.check_copy_gbps, lambda n, s: n / s / 1e9, match="copy_gbps")
 
 
 def test_tpot_without_batch_is_named():
-    message = fails(checks.check_tpot_ms, lambda w, kv, t, b, gbps: (w + t * kv) / gbps / 1e6, match="batch=26")
+    message = assert_fails(checks.check_tpot_ms, lambda w, kv, t, b, gbps: (w + t * kv) / gbps / 1e6, match="batch=26")
     assert "leaves out the batch" in message
 
 
 def test_hidden_failure_names_a_wrong_value_not_the_type_returned():
-    message = fails(hidden.check_kv_bytes_per_token, lambda cfg, size: kv_bytes(cfg, size) + 1, match="hidden")
+    message = assert_fails(hidden.check_kv_bytes_per_token, lambda cfg, size: kv_bytes(cfg, size) + 1, match="hidden")
     assert "not the right number of bytes" in message and not re.search(r"\bint\b", message)
 
 
 def test_non_finite_answer_is_told_so():
-    message = fails(checks.check_stream_ms, lambda n, gbps: math.nan, match="finite")
+    message = assert_fails(checks.check_stream_ms, lambda n, gbps: math.nan, match="finite")
     assert "division by zero" in message and "Return a float" not in message
 
 
@@ -181,7 +178,7 @@ def test_error_audit_pasted_numbers_fail_the_hidden_check():
         return public.get((cfg.name, context), public["llama-3.1-70b", 32_768])
 
     checks.check_error_audit(pasted, EXPRESSION)  # the public cases cannot tell
-    message = fails(hidden.check_error_audit, pasted, match="hidden-gqa")
+    message = assert_fails(hidden.check_error_audit, pasted, match="hidden-gqa")
     assert str(audit(hidden._GQA, 12_345)["mha_kv_bytes"]) not in message
 
 
@@ -190,7 +187,7 @@ def test_error_audit_pasted_numbers_fail_the_hidden_check():
     [(83_900_000_000, "claim's 83.9 GB"), (EXPRESSION * 1000, "MB, not GB")],
 )
 def test_error_audit_circulating_figures_named(expression, match):
-    fails(checks.check_error_audit, audit, expression, match=match)
+    assert_fails(checks.check_error_audit, audit, expression, match=match)
 
 
 def test_error_audit_mha_cache_for_the_real_model_named():
@@ -198,7 +195,7 @@ def test_error_audit_mha_cache_for_the_real_model_named():
         out = audit(cfg, context)
         return {**out, "kv_bytes": out["mha_kv_bytes"]}
 
-    fails(checks.check_error_audit, mha_twice, match="kv_bytes.*MHA cache")
+    assert_fails(checks.check_error_audit, mha_twice, match="kv_bytes.*MHA cache")
 
 
 def test_error_audit_inverted_ratio_named():
@@ -206,7 +203,7 @@ def test_error_audit_inverted_ratio_named():
         out = audit(cfg, context)
         return {**out, "kv_over_weights": 1 / out["kv_over_weights"]}
 
-    fails(checks.check_error_audit, inverted, match="weights / KV")
+    assert_fails(checks.check_error_audit, inverted, match="weights / KV")
 
 
 # -- the measured copy: the band, with kvlab's measurement replaced by a fixed one ---------------------------------
@@ -231,23 +228,23 @@ def test_measured_copy_inside_the_band_passes(kvlab_copy_10gbps, gbps):
 
 @pytest.mark.parametrize("gbps", [10.0 / 2.6, 10.0 * 2.6, 10.0 / 1e3])
 def test_measured_copy_outside_the_band_fails(kvlab_copy_10gbps, gbps):
-    fails(checks.check_measured_copy, gbps, timings_at(gbps), N_BYTES, match="within 2.5x")
+    assert_fails(checks.check_measured_copy, gbps, timings_at(gbps), N_BYTES, match="within 2.5x")
 
 
 def test_measured_copy_cumulative_timings_fail(kvlab_copy_10gbps):
     per_copy = timings_at(10.0, 1)[0]
     cumulative = [per_copy * (i + 1) for i in range(5)]  # one clock started before the loop: median 3 copies
     gbps = 2 * N_BYTES / (3 * per_copy) / 1e9
-    fails(checks.check_measured_copy, gbps, cumulative, N_BYTES, match="restart the clock")
+    assert_fails(checks.check_measured_copy, gbps, cumulative, N_BYTES, match="restart the clock")
 
 
 def test_measured_copy_buffer_in_cache_fails(kvlab_copy_10gbps):
-    fails(checks.check_measured_copy, 10.0, timings_at(10.0), 100 * 10**6, match="last-level cache")
+    assert_fails(checks.check_measured_copy, 10.0, timings_at(10.0), 100 * 10**6, match="last-level cache")
 
 
 def test_measured_copy_fastest_timing_named(kvlab_copy_10gbps):
     times = timings_at(10.0, 9) + [timings_at(20.0, 1)[0]]
-    fails(checks.check_measured_copy, 20.0, times, N_BYTES, match="fastest timing")
+    assert_fails(checks.check_measured_copy, 20.0, times, N_BYTES, match="fastest timing")
 
 
 def test_error_audit_says_which_exercises_it_builds_on():
@@ -255,7 +252,7 @@ def test_error_audit_says_which_exercises_it_builds_on():
         out = audit(cfg, context)
         return {**out, "kv_bytes": out["kv_bytes"] // 2}
 
-    fails(checks.check_error_audit, audit_without_k_and_v, match="exercises 1 and 2")
+    assert_fails(checks.check_error_audit, audit_without_k_and_v, match="exercises 1 and 2")
 
 
 def test_error_audit_hidden_cases_leave_exercise_one_slips_to_exercise_one():
@@ -270,14 +267,14 @@ def test_error_audit_hidden_cases_leave_exercise_one_slips_to_exercise_one():
 
         return run
 
-    fails(hidden.check_kv_bytes_per_token, derived_head_dim, match="hidden-mqa")
+    assert_fails(hidden.check_kv_bytes_per_token, derived_head_dim, match="hidden-mqa")
     hidden.check_error_audit(audit_on(derived_head_dim))
 
 
 def test_measured_copy_timings_in_ms_named(kvlab_copy_10gbps):
     # The bandwidth is right (10 GB/s); the timings handed in are in ms, so they give 1/1000 of it.
     times_ms = [t * 1e3 for t in timings_at(10.0)]
-    message = fails(checks.check_measured_copy, 10.0, times_ms, N_BYTES, match="my_copy_gbps")
+    message = assert_fails(checks.check_measured_copy, 10.0, times_ms, N_BYTES, match="my_copy_gbps")
     assert "times_s in seconds" in message
 
 
@@ -294,7 +291,7 @@ def test_measured_copy_measures_kvlab_again_before_failing(monkeypatch):
 
 
 def test_measured_copy_fails_when_every_reference_disagrees(kvlab_copy_10gbps):
-    fails(checks.check_measured_copy, 30.0, timings_at(30.0), N_BYTES, match="within 2.5x")
+    assert_fails(checks.check_measured_copy, 30.0, timings_at(30.0), N_BYTES, match="within 2.5x")
 
 
 def test_cumulative_timings_are_told_apart_from_steady_ones():

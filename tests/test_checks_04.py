@@ -14,18 +14,7 @@ from kvlab.bench import fit_line, percentile
 from kvlab.course import lesson04_batching
 from kvlab.engine import Engine, Request, RequestResult, RunReport
 from kvlab.model import Decoder
-
-
-def fails(check, *args, match: str, **kwargs) -> str:
-    with pytest.raises(AssertionError, match=match) as info:
-        check(*args, **kwargs)
-    return str(info.value)
-
-
-def silent(capsys: pytest.CaptureFixture, check, *args, **kwargs) -> None:
-    check(*args, **kwargs)
-    out, err = capsys.readouterr()
-    assert out == "" and err == "", f"{check.__name__} printed on success: {out!r} {err!r}"
+from tests.helpers import assert_fails, assert_silent
 
 
 # -- reference answers, written from the lesson's text -------------------------------------------------------------
@@ -67,20 +56,20 @@ RIGHT = [
 
 @pytest.mark.parametrize(("name", "answer"), RIGHT, ids=[name for name, _ in RIGHT])
 def test_right_answer_passes_public_and_hidden_silently(capsys, name, answer):
-    silent(capsys, getattr(checks, name), answer)
-    silent(capsys, getattr(hidden, name), answer)
+    assert_silent(capsys, getattr(checks, name), answer)
+    assert_silent(capsys, getattr(hidden, name), answer)
 
 
 def test_throughput_latency_on_an_engine_run(capsys):
     model = Decoder(get_model("cpu-tiny").replace(n_layers=1), seed=0)
     requests = [Request(list(range(1, 10 + i)), n) for i, n in enumerate((4, 1, 6, 3))]
     report = Engine(model, n_blocks=16, max_batch=2, clock="simulated", gpu="h100-sxm").run(requests)
-    silent(capsys, checks.check_throughput_latency, throughput_latency, [report])
+    assert_silent(capsys, checks.check_throughput_latency, throughput_latency, [report])
 
 
 # -- exercise 1 ----------------------------------------------------------------------------------------------------
 def test_step_bytes_weights_per_sequence_fails():
-    message = fails(
+    message = assert_fails(
         checks.check_step_bytes, lambda c, b, t: (b * step_bytes(c, b, t)[0], step_bytes(c, b, t)[1]), match="weight"
     )
     assert "once per sequence" in message and "shares" in message
@@ -94,19 +83,19 @@ def test_step_bytes_batch_1_weights_fail_on_the_mixture_of_experts():
     assert roofline.weight_bytes_read(get_model("mixtral-8x7b"), batch=16) > 2 * roofline.weight_bytes_read(
         get_model("mixtral-8x7b")
     )
-    message = fails(checks.check_step_bytes, batch_one, match="pass batch=")
+    message = assert_fails(checks.check_step_bytes, batch_one, match="pass batch=")
     assert "cpu-small" in message  # its untied input table is read one row per sequence: caught at the first case
 
 
 def test_step_bytes_every_parameter_fails():
-    message = fails(
+    message = assert_fails(
         checks.check_step_bytes, lambda c, b, t: (roofline.weight_bytes(c), step_bytes(c, b, t)[1]), match="every"
     )
     assert "weight_bytes_read" in message
 
 
 def test_step_bytes_one_sequence_of_kv_fails():
-    message = fails(
+    message = assert_fails(
         checks.check_step_bytes,
         lambda c, b, t: (step_bytes(c, b, t)[0], t * roofline.kv_bytes_per_token(c)),
         match="KV",
@@ -117,7 +106,7 @@ def test_step_bytes_one_sequence_of_kv_fails():
 def test_step_bytes_hidden_withholds_the_expected_value():
     cfg = get_model("cpu-small").replace(n_kv_heads=2, name="fresh")
     want = step_bytes(cfg, 8, 300)
-    message = fails(
+    message = assert_fails(
         checks.check_step_bytes,
         lambda c, b, t: (8 * step_bytes(c, b, t)[0], step_bytes(c, b, t)[1]),
         cases=[(cfg, 8, 300)],
@@ -128,7 +117,7 @@ def test_step_bytes_hidden_withholds_the_expected_value():
 
 
 def test_step_bytes_returns_two_numbers():
-    fails(checks.check_step_bytes, lambda c, b, t: sum(step_bytes(c, b, t)), match="a tuple")
+    assert_fails(checks.check_step_bytes, lambda c, b, t: sum(step_bytes(c, b, t)), match="a tuple")
 
 
 # -- exercise 2 ----------------------------------------------------------------------------------------------------
@@ -152,21 +141,21 @@ GOOD = lines(4, 2e-3, 5.0)  # kv_ratio 4, weight_ratio 5 / 3
 
 
 def test_batch_ratios_right_answer(capsys):
-    silent(capsys, checks.check_batch_ratios, *ratios(GOOD), CONTEXTS, GOOD)
+    assert_silent(capsys, checks.check_batch_ratios, *ratios(GOOD), CONTEXTS, GOOD)
 
 
 def test_batch_ratios_inconsistent_with_the_measurement_fail():
     kv, weights = ratios(GOOD)
-    message = fails(checks.check_batch_ratios, 1 / kv, weights, CONTEXTS, GOOD, match="kv_ratio")
+    message = assert_fails(checks.check_batch_ratios, 1 / kv, weights, CONTEXTS, GOOD, match="kv_ratio")
     assert "divide batch B's by batch 1's" in message
-    message = fails(checks.check_batch_ratios, kv, kv, CONTEXTS, GOOD, match="weight_ratio")
+    message = assert_fails(checks.check_batch_ratios, kv, kv, CONTEXTS, GOOD, match="weight_ratio")
     assert "slopes' ratio" in message
 
 
 def test_batch_ratios_need_batch_1_and_one_other():
-    fails(checks.check_batch_ratios, 4.0, 1.5, CONTEXTS, {2: GOOD[1], 4: GOOD[4]}, match="batch 1")
-    fails(checks.check_batch_ratios, 4.0, 1.5, CONTEXTS, None, match="measures both batches")
-    fails(checks.check_batch_ratios, 4.0, 1.5, CONTEXTS[:3], GOOD, match="one per context")
+    assert_fails(checks.check_batch_ratios, 4.0, 1.5, CONTEXTS, {2: GOOD[1], 4: GOOD[4]}, match="batch 1")
+    assert_fails(checks.check_batch_ratios, 4.0, 1.5, CONTEXTS, None, match="measures both batches")
+    assert_fails(checks.check_batch_ratios, 4.0, 1.5, CONTEXTS[:3], GOOD, match="one per context")
 
 
 @pytest.mark.parametrize(
@@ -182,20 +171,22 @@ def test_batch_ratios_out_of_band_measure_again_then_fail(slope_b, intercept_b):
         calls.append(1)
         return bent  # the load persists: every measurement comes out the same
 
-    message = fails(checks.check_batch_ratios, *ratios(bent), CONTEXTS, bent, remeasure=remeasure, match="Re-run")
+    message = assert_fails(
+        checks.check_batch_ratios, *ratios(bent), CONTEXTS, bent, remeasure=remeasure, match="Re-run"
+    )
     assert len(calls) == lesson04_batching.BATCH_REMEASURES
     assert "arithmetic is right" in message
 
 
 def test_batch_ratios_out_of_band_pass_when_a_remeasure_lands_inside(capsys):
     bent = lines(4, 1e-2, 5.0)
-    silent(capsys, checks.check_batch_ratios, *ratios(bent), CONTEXTS, bent, remeasure=lambda: GOOD)
+    assert_silent(capsys, checks.check_batch_ratios, *ratios(bent), CONTEXTS, bent, remeasure=lambda: GOOD)
 
 
 @pytest.mark.parametrize("kv_over_b", [checks.KV_RATIO_BAND[0] * 1.01, 1.0, checks.KV_RATIO_BAND[1] * 0.99])
 def test_batch_ratios_band_accepts_its_own_range(capsys, kv_over_b):
     tpot_ms = lines(4, 4 * 5e-4 * kv_over_b, 3.0 * 0.85 * 4)  # weight_ratio 3.4, inside 0.9 x 4
-    silent(capsys, checks.check_batch_ratios, *ratios(tpot_ms), CONTEXTS, tpot_ms)
+    assert_silent(capsys, checks.check_batch_ratios, *ratios(tpot_ms), CONTEXTS, tpot_ms)
 
 
 # -- exercise 3 ----------------------------------------------------------------------------------------------------
@@ -203,7 +194,7 @@ def test_throughput_latency_counting_requests_fails():
     def per_request(report):
         return {**throughput_latency(report), "output_tokens_per_s": len(report.completed) / report.duration_s}
 
-    fails(checks.check_throughput_latency, per_request, match="requests per second")
+    assert_fails(checks.check_throughput_latency, per_request, match="requests per second")
 
 
 def test_throughput_latency_itl_percentiles_fail():
@@ -211,24 +202,24 @@ def test_throughput_latency_itl_percentiles_fail():
         gaps = [g for r in report.results for g in r.itl_ms]
         return {**throughput_latency(report), "p99_tpot_ms": percentile(gaps, 99)}
 
-    fails(checks.check_throughput_latency, from_itl, match="one number per request")
+    assert_fails(checks.check_throughput_latency, from_itl, match="one number per request")
 
 
 def test_throughput_latency_keeping_none_is_reported_with_its_call():
     def keeps_none(report):
         return {**throughput_latency(report), "p50_tpot_ms": percentile([r.tpot_ms for r in report.results], 50)}
 
-    fails(checks.check_throughput_latency, keeps_none, match="raised TypeError")
+    assert_fails(checks.check_throughput_latency, keeps_none, match="raised TypeError")
 
 
 def test_throughput_latency_wrong_keys_fail():
-    fails(checks.check_throughput_latency, lambda r: {"tokens_per_s": 1.0}, match="p50_tpot_ms")
+    assert_fails(checks.check_throughput_latency, lambda r: {"tokens_per_s": 1.0}, match="p50_tpot_ms")
 
 
 def test_throughput_latency_hidden_runs_differ_from_the_public_ones():
     made_up = hidden.CASES["check_throughput_latency"][0]
     assert isinstance(made_up, RunReport) and any(isinstance(r, RequestResult) and r.error for r in made_up.results)
-    message = fails(
+    message = assert_fails(
         hidden.check_throughput_latency,
         lambda r: {**throughput_latency(r), "p99_tpot_ms": throughput_latency(r)["p50_tpot_ms"]},
         match="p99_tpot_ms",
@@ -243,35 +234,35 @@ def test_max_batch_for_memory_subtracting_the_weights_read_fails():
         return max(0, int(free // (context * roofline.kv_bytes_per_token(cfg, kv_dtype))))
 
     # Llama's untied input table is read one row per sequence but held whole; Mixtral holds every expert.
-    fails(checks.check_max_batch_for_memory, read, match="every weight")
-    fails(checks.check_max_batch_for_memory, read, cases=lesson04_batching._memory_cases()[2:3], match="mixtral")
+    assert_fails(checks.check_max_batch_for_memory, read, match="every weight")
+    assert_fails(checks.check_max_batch_for_memory, read, cases=lesson04_batching._memory_cases()[2:3], match="mixtral")
 
 
 def test_max_batch_for_memory_negative_when_the_weights_do_not_fit_fails():
     def negative(cfg, memory, context, kv_dtype=None):
         return int((memory - roofline.weight_bytes(cfg)) // (context * roofline.kv_bytes_per_token(cfg, kv_dtype)))
 
-    fails(checks.check_max_batch_for_memory, negative, match="llama-3.1-70b.*0 if negative")
+    assert_fails(checks.check_max_batch_for_memory, negative, match="llama-3.1-70b.*0 if negative")
 
 
 def test_max_batch_for_memory_ignoring_kv_dtype_fails():
     def bf16(cfg, memory, context, kv_dtype=None):
         return max_batch_for_memory(cfg, memory, context)
 
-    fails(checks.check_max_batch_for_memory, bf16, match="kv_dtype")
+    assert_fails(checks.check_max_batch_for_memory, bf16, match="kv_dtype")
 
 
 def test_max_batch_for_memory_float_is_rejected():
-    fails(checks.check_max_batch_for_memory, lambda *a: float(max_batch_for_memory(*a)), match="int")
+    assert_fails(checks.check_max_batch_for_memory, lambda *a: float(max_batch_for_memory(*a)), match="int")
 
 
 # -- exercise 5 ----------------------------------------------------------------------------------------------------
 def test_max_batch_in_pool_counting_tokens_fails():
-    fails(checks.check_max_batch_in_pool, lambda n, bs, p: n * bs // p, match="whole blocks")
+    assert_fails(checks.check_max_batch_in_pool, lambda n, bs, p: n * bs // p, match="whole blocks")
 
 
 def test_max_batch_in_pool_reserving_the_output_token_fails():
-    fails(checks.check_max_batch_in_pool, lambda n, bs, p: n // math.ceil((p + 1) / bs), match="never stored")
+    assert_fails(checks.check_max_batch_in_pool, lambda n, bs, p: n // math.ceil((p + 1) / bs), match="never stored")
 
 
 @pytest.mark.parametrize("case", [*lesson04_batching._POOL_CASES, *hidden.CASES["check_max_batch_in_pool"]])
@@ -280,7 +271,7 @@ def test_the_engine_admits_what_the_formula_says(case):
 
 
 def test_max_batch_in_pool_hidden_withholds_the_expected_value():
-    message = fails(hidden.check_max_batch_in_pool, lambda n, bs, p: n * bs // p, match="max_batch_in_pool")
+    message = assert_fails(hidden.check_max_batch_in_pool, lambda n, bs, p: n * bs // p, match="max_batch_in_pool")
     assert "hidden check does not reveal" in message and "It counts tokens" not in message
 
 
@@ -289,7 +280,7 @@ def test_allocation_waste_fraction_used_fails():
     def used(lengths, max_seq_len, block_size):
         return tuple(1 - w for w in allocation_waste(lengths, max_seq_len, block_size))
 
-    fails(checks.check_allocation_waste, used, match="contiguous waste.*fraction used")
+    assert_fails(checks.check_allocation_waste, used, match="contiguous waste.*fraction used")
 
 
 def test_allocation_waste_blocks_rounded_down_fails():
@@ -299,17 +290,21 @@ def test_allocation_waste_blocks_rounded_down_fails():
             block_size * sum(n // block_size for n in lengths)
         )
 
-    fails(checks.check_allocation_waste, floor, match="paged waste.*Round each")
+    assert_fails(checks.check_allocation_waste, floor, match="paged waste.*Round each")
 
 
 def test_allocation_waste_hidden_withholds_the_expected_value():
-    message = fails(hidden.check_allocation_waste, lambda *a: (0.5, allocation_waste(*a)[1]), match="contiguous waste")
+    message = assert_fails(
+        hidden.check_allocation_waste, lambda *a: (0.5, allocation_waste(*a)[1]), match="contiguous waste"
+    )
     assert "hidden check does not reveal" in message
 
 
 def test_a_fractional_count_is_told_to_round_down():
-    fails(checks.check_max_batch_for_memory, lambda cfg, memory, context, kv_dtype=None: 3.0, match="rounded down")
-    fails(checks.check_max_batch_in_pool, lambda n_blocks, block_size, prompt_len: 2.5, match="rounded down")
+    assert_fails(
+        checks.check_max_batch_for_memory, lambda cfg, memory, context, kv_dtype=None: 3.0, match="rounded down"
+    )
+    assert_fails(checks.check_max_batch_in_pool, lambda n_blocks, block_size, prompt_len: 2.5, match="rounded down")
 
 
 def test_throughput_latency_that_keeps_none_tpots_is_told_to_leave_them_out():
@@ -317,7 +312,7 @@ def test_throughput_latency_that_keeps_none_tpots_is_told_to_leave_them_out():
         tpots = sorted(r.tpot_ms for r in report.results)
         return {"output_tokens_per_s": 0.0, "p50_tpot_ms": tpots[0], "p99_tpot_ms": tpots[-1]}
 
-    fails(checks.check_throughput_latency, keeps_none, match="leave those requests out")
+    assert_fails(checks.check_throughput_latency, keeps_none, match="leave those requests out")
 
 
 def test_throughput_latency_with_exclusive_quantiles_is_named():
@@ -326,4 +321,4 @@ def test_throughput_latency_with_exclusive_quantiles_is_named():
         q = statistics.quantiles(tpots, n=100)
         return {"output_tokens_per_s": report.output_tokens_per_s, "p50_tpot_ms": q[49], "p99_tpot_ms": q[98]}
 
-    fails(checks.check_throughput_latency, exclusive, match="exclusive")
+    assert_fails(checks.check_throughput_latency, exclusive, match="exclusive")

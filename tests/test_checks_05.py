@@ -14,18 +14,7 @@ from kvlab import Decoder, checks
 from kvlab.bench import RequestTiming
 from kvlab.course import lesson05_prefix_caching as l05
 from kvlab.engine import Engine, Request, RequestResult, RunReport
-
-
-def assert_silent(capsys: pytest.CaptureFixture, check, *args, **kwargs) -> None:
-    check(*args, **kwargs)
-    out, err = capsys.readouterr()
-    assert out == "" and err == "", f"{check.__name__} printed on success: {out!r} {err!r}"
-
-
-def assert_fails(check, *args, match: str, **kwargs) -> str:
-    with pytest.raises(AssertionError, match=match) as info:
-        check(*args, **kwargs)
-    return str(info.value)
+from tests.helpers import assert_fails, assert_silent
 
 
 # -- reference answers, written the way a learner would -------------------------------------------------------------

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from kvlab.bench import Sweep
 from kvlab.config import ModelConfig
 
 REL_TOL = 1e-9  # floats computed by another order of operations differ in the last bits, never by more
@@ -179,6 +180,24 @@ def _call(quantity: str, fn: Callable, *args: Any) -> Any:
 
 def _label(cfg: ModelConfig) -> str:
     return f"{cfg.name} ({cfg.attention_kind}, {cfg.n_layers} layers)"
+
+
+def _timed_together(sweeps: Mapping[str, Any], fix: str) -> None:
+    """Each of ``sweeps`` (named as the learner knows it) is a ``kvlab.bench.Sweep``, and all were timed against one
+    ``Bandwidth`` measurement (the same object): a comparison of sweeps is fair only when they shared the machine's
+    state, in one process. ``fix`` says what to pass instead of something that is not a Sweep."""
+    for name, sweep in sweeps.items():
+        if not isinstance(sweep, Sweep):
+            _fail(name, type(sweep).__name__, "a kvlab.bench.Sweep", fix)
+    (first_name, first), *rest = sweeps.items()
+    for name, sweep in rest:
+        if sweep.bandwidth is not first.bandwidth:
+            _fail(
+                f"{name}.bandwidth",
+                "another measurement",
+                f"one Bandwidth object shared with {first_name}",
+                "Time them interleaved, in this kernel, against one bandwidth measurement.",
+            )
 
 
 # -- measuring again before failing ---------------------------------------------------------------------------------

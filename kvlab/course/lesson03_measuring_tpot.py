@@ -13,7 +13,7 @@ import torch
 from kvlab.bench import RequestTiming, Sweep, fit_line, percentile, sweep_context
 from kvlab.cache.base import CacheFactory, KVCache
 from kvlab.config import ModelConfig
-from kvlab.course.grading import _call, _close, _fail, _measure_again
+from kvlab.course.grading import _call, _close, _fail, _measure_again, _timed_together
 from kvlab.model import Decoder
 from kvlab.presets import get_model
 from kvlab.roofline import crossover_context
@@ -321,15 +321,7 @@ def check_ab_slopes(
                 "This check needs exercise 6 (ConcatKVCache.append): make check_concat_cache pass, then run the "
                 "cell that times both caches, then this one.",
             )
-        if not isinstance(sweep, Sweep):
-            _fail(name, type(sweep).__name__, "a kvlab.bench.Sweep", "Pass the result of sweep_context.")
-    if preallocated.bandwidth is not concat.bandwidth:
-        _fail(
-            "bandwidth",
-            "two different measurements",
-            "one Bandwidth object shared by both sweeps",
-            "Measure the bandwidth once and pass it to both sweeps, in this kernel.",
-        )
+    _timed_together({"preallocated": preallocated, "concat": concat}, "Pass the result of sweep_context.")
     a, b = [p.context for p in preallocated.points], [p.context for p in concat.points]
     if a != b:
         _fail("concat contexts", b, f"the preallocated sweep's contexts {a}", "Sweep the same contexts.")

@@ -9,7 +9,7 @@ from typing import Any
 
 from kvlab.bench import Sweep, fit_line
 from kvlab.config import MLAConfig, ModelConfig
-from kvlab.course.grading import _call, _close, _exact_int, _fail, _label, _measure_again
+from kvlab.course.grading import _call, _close, _exact_int, _fail, _label, _measure_again, _timed_together
 from kvlab.presets import get_model
 from kvlab.roofline import (
     active_params,
@@ -138,16 +138,10 @@ def _check_layout_sweeps(sweeps: Any, name: str = "sweeps") -> None:
     for key, sweep in sweeps.items():
         if not (isinstance(key, int) and isinstance(sweep, Sweep)):
             _fail(f"{name}[{key!r}]", type(sweep).__name__, "a kvlab.bench.Sweep under an int n_kv_heads", fix)
+    _timed_together({f"{name}[{key}]": sweep for key, sweep in sweeps.items()}, fix)
     first = next(iter(sweeps.values()))
     contexts = [p.context for p in first.points]
     for key, sweep in sweeps.items():
-        if sweep.bandwidth is not first.bandwidth:
-            _fail(
-                f"{name}[{key}].bandwidth",
-                "another measurement",
-                "one Bandwidth object shared by every layout's sweep",
-                "Time the layouts interleaved, in this kernel, against one bandwidth measurement.",
-            )
         if [p.context for p in sweep.points] != contexts:
             _fail(
                 f"{name}[{key}] contexts", [p.context for p in sweep.points], f"{contexts}", "Sweep one context list."
@@ -261,13 +255,8 @@ def check_query_side(query_side_us: float, sweeps: Mapping[int, Sweep], one_head
     _check_layout_sweeps(sweeps)
     if 1 not in sweeps:
         _fail("sweeps", sorted(sweeps), "an MQA sweep (key 1) among them", "Sweep n_kv_heads = 1 too.")
-    if not isinstance(one_head_sweep, Sweep) or one_head_sweep.bandwidth is not sweeps[1].bandwidth:
-        _fail(
-            "one_head_sweep",
-            type(one_head_sweep).__name__,
-            "the one-query-head model's Sweep, timed with the layouts",
-            "Pass the sweep of the model with n_heads = 1, timed in the same cell as the layouts.",
-        )
+    fix = "Pass the sweep of the model with n_heads = 1, timed in the same cell as the layouts."
+    _timed_together({"sweeps[1]": sweeps[1], "one_head_sweep": one_head_sweep}, fix)
     n_heads = _mha_key(sweeps)
     difference = (sweeps[1].fit.slope - one_head_sweep.fit.slope) * 1e3
     slips = (
@@ -377,16 +366,8 @@ def check_absorbed_share(
     ``remeasure`` times both paths again and returns ``(naive, absorbed)``: where the share is too high, the check
     measures again, up to ``ABSORBED_REMEASURES`` times, before it fails.
     """
-    for name, sweep in (("naive_sweep", naive_sweep), ("absorbed_sweep", absorbed_sweep)):
-        if not isinstance(sweep, Sweep):
-            _fail(name, type(sweep).__name__, "a kvlab.bench.Sweep", "Pass the sweeps the naive/absorbed cell made.")
-    if naive_sweep.bandwidth is not absorbed_sweep.bandwidth:
-        _fail(
-            "absorbed_sweep.bandwidth",
-            "another measurement",
-            "the naive sweep's Bandwidth object",
-            "Time both paths interleaved, in this kernel, against one bandwidth measurement.",
-        )
+    sweeps = {"naive_sweep": naive_sweep, "absorbed_sweep": absorbed_sweep}
+    _timed_together(sweeps, "Pass the sweeps the naive/absorbed cell made.")
     want = absorbed_sweep.fit.slope / naive_sweep.fit.slope
     slips = ((1 / want, "It is inverted: the absorbed slope over the naive slope, not the naive over the absorbed."),)
     fix = "absorbed_sweep.fit.slope / naive_sweep.fit.slope."
