@@ -32,6 +32,17 @@ def assert_greedy_picks(tokens: torch.Tensor, logits: torch.Tensor, rtol: float,
     )
 
 
+class Remeasure:
+    """A measured check's ``remeasure``: each call returns ``value`` (what measuring again gave) and is counted."""
+
+    def __init__(self, value) -> None:
+        self.value, self.calls = value, 0
+
+    def __call__(self):
+        self.calls += 1
+        return self.value
+
+
 def assert_silent(capsys: pytest.CaptureFixture, check, *args, **kwargs) -> None:
     """``check(*args, **kwargs)`` passes and prints nothing (nbgrader zeroes a cell that writes to stderr)."""
     check(*args, **kwargs)

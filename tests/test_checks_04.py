@@ -14,7 +14,7 @@ from kvlab.bench import fit_line, percentile
 from kvlab.course import lesson04_batching
 from kvlab.engine import Engine, Request, RequestResult, RunReport
 from kvlab.model import Decoder
-from tests.helpers import assert_fails, assert_silent
+from tests.helpers import Remeasure, assert_fails, assert_silent
 
 
 # -- reference answers, written from the lesson's text -------------------------------------------------------------
@@ -165,16 +165,11 @@ def test_batch_ratios_need_batch_1_and_one_other():
 )
 def test_batch_ratios_out_of_band_measure_again_then_fail(slope_b, intercept_b):
     bent = lines(4, slope_b, intercept_b)
-    calls = []
-
-    def remeasure():
-        calls.append(1)
-        return bent  # the load persists: every measurement comes out the same
-
+    remeasure = Remeasure(bent)  # the load persists: every measurement comes out the same
     message = assert_fails(
         checks.check_batch_ratios, *ratios(bent), CONTEXTS, bent, remeasure=remeasure, match="Re-run"
     )
-    assert len(calls) == lesson04_batching.BATCH_REMEASURES
+    assert remeasure.calls == lesson04_batching.BATCH_REMEASURES
     assert "arithmetic is right" in message
 
 

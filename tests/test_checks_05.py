@@ -14,7 +14,7 @@ from kvlab import Decoder, checks
 from kvlab.bench import RequestTiming
 from kvlab.course import lesson05_prefix_caching as l05
 from kvlab.engine import Engine, Request, RequestResult, RunReport
-from tests.helpers import assert_fails, assert_silent
+from tests.helpers import Remeasure, assert_fails, assert_silent
 
 
 # -- reference answers, written the way a learner would -------------------------------------------------------------
@@ -365,23 +365,13 @@ def test_tpot_slips():
 
 def test_tpot_band_measures_again_before_failing():
     hit, cold = tpot_data(hit_ms=20.0)  # a burst of load during the hit runs: ratio 2
-    good = tpot_data()
-    calls = []
-
-    def remeasure(data):
-        def again():
-            calls.append(1)
-            return data
-
-        return again
-
-    checks.check_tpot_after_hit(median_tpot(hit), median_tpot(cold), hit, cold, remeasure=remeasure(good))
-    assert len(calls) == 1
-    calls.clear()
-    bad = remeasure((hit, cold))
+    good = Remeasure(tpot_data())
+    checks.check_tpot_after_hit(median_tpot(hit), median_tpot(cold), hit, cold, remeasure=good)
+    assert good.calls == 1
+    bad = Remeasure((hit, cold))
     assert_fails(checks.check_tpot_after_hit, median_tpot(hit), median_tpot(cold), hit, cold, remeasure=bad,
                  match="between 0.6 and 1.67")  # fmt: skip
-    assert len(calls) == l05.TPOT_REMEASURES
+    assert bad.calls == l05.TPOT_REMEASURES
 
 
 # -- exercise 7 ----------------------------------------------------------------------------------------------------
@@ -415,31 +405,18 @@ def test_cascade_slopes_slips():
 
 def test_cascade_band_measures_again_before_failing():
     flat = cascade_sweep(cascade_slope=7.6)  # a cascade that barely helps: ratio 0.95
-    calls = []
-
-    def remeasure(sweep):
-        def again():
-            calls.append(1)
-            return sweep
-
-        return again
-
-    checks.check_cascade_slopes(1 / 8, 7.6 / 8, flat, remeasure=remeasure(cascade_sweep()))
-    assert len(calls) == 1
-    calls.clear()
-    assert_fails(checks.check_cascade_slopes, 1 / 8, 7.6 / 8, flat, remeasure=remeasure(flat), match="at most 0.8")
-    assert len(calls) == l05.CASCADE_REMEASURES
+    good = Remeasure(cascade_sweep())
+    checks.check_cascade_slopes(1 / 8, 7.6 / 8, flat, remeasure=good)
+    assert good.calls == 1
+    bad = Remeasure(flat)
+    assert_fails(checks.check_cascade_slopes, 1 / 8, 7.6 / 8, flat, remeasure=bad, match="at most 0.8")
+    assert bad.calls == l05.CASCADE_REMEASURES
 
 
 def test_cascade_band_measures_again_when_the_per_row_line_does_not_rise():
     """A falling per-row line makes any ratio meaningless (a negative one would pass): that is load, so measure
     again."""
     flat = cascade_sweep(per_row_slope=-1.0)
-    calls = []
-
-    def again():
-        calls.append(1)
-        return cascade_sweep()
-
+    again = Remeasure(cascade_sweep())
     checks.check_cascade_slopes(1 / 8, -3.0, flat, remeasure=again)
-    assert calls == [1]
+    assert again.calls == 1

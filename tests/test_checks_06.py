@@ -12,7 +12,7 @@ from kvlab.bench import RequestTiming, Sweep, SweepPoint, fit_line
 from kvlab.config import MLAConfig
 from kvlab.course import lesson06_gqa_mqa_mla as lesson06
 from kvlab.timing import Bandwidth
-from tests.helpers import assert_fails, assert_silent
+from tests.helpers import Remeasure, assert_fails, assert_silent
 
 BW = Bandwidth("cpu", 64.0, copy_gbps=10.0, read_gbps=10.0, copy_best_gbps=11.0, read_best_gbps=11.0, threads=1)
 
@@ -170,22 +170,12 @@ def test_layout_ratios_need_one_bandwidth_measurement():
 
 def test_layout_band_measures_again_before_failing(capsys):
     steep = layout_sweeps({8: 2.4, 4: 5.0, 2: 1.5, 1: 1.1})  # GQA-4 at 2.08 x MHA: outside
-    calls = []
-
-    def fine_again():
-        calls.append(1)
-        return layout_sweeps(PLAUSIBLE)
-
+    fine_again = Remeasure(layout_sweeps(PLAUSIBLE))
     assert_silent(capsys, checks.check_layout_ratios, ratios_of(steep), steep, remeasure=fine_again)
-    assert len(calls) == 1
-    calls.clear()
-
-    def steep_again():
-        calls.append(1)
-        return steep
-
+    assert fine_again.calls == 1
+    steep_again = Remeasure(steep)
     message = assert_fails(checks.check_layout_ratios, ratios_of(steep), steep, remeasure=steep_again, match="band")
-    assert "4 KV heads: 2.083" in message and len(calls) == lesson06.LAYOUT_REMEASURES
+    assert "4 KV heads: 2.083" in message and steep_again.calls == lesson06.LAYOUT_REMEASURES
 
 
 def test_layout_band_fails_a_layout_that_beats_its_bytes():
@@ -250,27 +240,19 @@ def test_absorbed_share_inverted_and_band(capsys):
     assert_fails(checks.check_absorbed_share, 40.0, naive, absorbed, match="inverted")
     flat_naive = fake_sweep(0.8, 640.0)
     share = absorbed.fit.slope / flat_naive.fit.slope  # 0.625: above the band
-    calls = []
-
-    def again(pair):
-        def remeasure():
-            calls.append(1)
-            return pair
-
-        return remeasure
-
-    assert_silent(capsys, checks.check_absorbed_share, share, flat_naive, absorbed, remeasure=again((naive, absorbed)))
-    assert len(calls) == 1
-    calls.clear()
+    fine_again = Remeasure((naive, absorbed))
+    assert_silent(capsys, checks.check_absorbed_share, share, flat_naive, absorbed, remeasure=fine_again)
+    assert fine_again.calls == 1
+    flat_again = Remeasure((flat_naive, absorbed))
     assert_fails(
         checks.check_absorbed_share,
         share,
         flat_naive,
         absorbed,
-        remeasure=again((flat_naive, absorbed)),
+        remeasure=flat_again,
         match=f"at most {lesson06.ABSORBED_MAX_SHARE}",
     )
-    assert len(calls) == lesson06.ABSORBED_REMEASURES
+    assert flat_again.calls == lesson06.ABSORBED_REMEASURES
     # without a way to measure again, the first measurement is judged
     assert_fails(checks.check_absorbed_share, share, flat_naive, absorbed, match="at most")
     other = Bandwidth("cpu", 64.0, 10.0, 10.0, 11.0, 11.0, threads=1)
