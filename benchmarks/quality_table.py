@@ -23,7 +23,7 @@ from kvlab.cache.base import CacheFactory, default_cache
 from kvlab.cache.heavy_hitters import HeavyHitterKVCache
 from kvlab.cache.quantized import QuantizedKVCache
 from kvlab.cache.window import WindowKVCache
-from kvlab.pretrained import heldout_tokens, list_pretrained, load_pretrained
+from kvlab.pretrained import bos_token, heldout_tokens, list_pretrained, load_pretrained
 from kvlab.quality import CHANCE, needle_recall, perplexity
 from kvlab.timing import Stopwatch
 
@@ -79,7 +79,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--policies: {args.policies} match nothing; known: {', '.join(POLICIES)}")
     model = load_pretrained(args.model, device=args.device)
     tokens = heldout_tokens()[: args.tokens or None]
-    common = {"prefill_tokens": args.prefill, "batch_size": args.batch_size, "progress": args.progress}
+    # A checkpoint trained with a beginning-of-text token reads every segment and prompt with one in front.
+    common = {
+        "prefill_tokens": args.prefill,
+        "batch_size": args.batch_size,
+        "progress": args.progress,
+        "bos": bos_token(args.model),
+    }
     rows = []
     for policy in chosen:
         make_cache = POLICIES[policy]

@@ -17,7 +17,7 @@ from safetensors.torch import load as load_safetensors
 from kvlab.config import ModelConfig
 from kvlab.device import resolve_device
 from kvlab.model import Decoder
-from kvlab.tokenizer import encode
+from kvlab.tokenizer import EOT, encode
 
 HELDOUT_FILE = "stdlib_heldout.txt"
 
@@ -37,6 +37,12 @@ def pretrained_info(name: str) -> dict[str, Any]:
     if name not in list_pretrained():
         raise ValueError(f"name: {name!r} is not a shipped checkpoint; allowed: {', '.join(list_pretrained())}")
     return json.loads(_data().joinpath(f"{name}.json").read_text())
+
+
+def bos_token(name: str) -> int | None:
+    """The token checkpoint ``name`` saw first in every training sequence, to put before every text it reads
+    (``kvlab.quality``'s ``bos``); ``None`` for a checkpoint trained without one."""
+    return EOT if pretrained_info(name)["training"].get("bos") else None
 
 
 def load_pretrained(name: str, device: str | torch.device | None = None) -> Decoder:

@@ -8,6 +8,10 @@ one token per step.
 A cache factory is ``make_cache(model, batch_size, capacity) -> KVCache``; ``capacity`` is the number of tokens
 the stream will reach. The default, ``kvlab.cache.base.default_cache``, is the model's own ``new_cache``, which keeps
 every token.
+
+``bos``: a model trained with a beginning-of-text token in front of every sequence (``pretrained_info(name)
+["training"]["bos"]``) should meet one in front of every segment and prompt too; pass its id (``kvlab.tokenizer.EOT``)
+and each starts with it, unscored. ``attention_sink_share`` measures whether such a token became an attention sink.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvlab.cache.base import CacheFactory, KVCache, default_cache
+from kvlab.cache.heavy_hitters import HeavyHitterKVCache
 from kvlab.model import Decoder
 from kvlab.pretrained import heldout_tokens
 from kvlab.tokenizer import ASK, N_PASSKEYS, PASSKEY_BASE, VOCAB_SIZE
@@ -77,14 +82,17 @@ def perplexity(
     prefill_tokens: int = 1,
     batch_size: int = 16,
     progress: bool = True,
+    bos: int | None = None,
 ) -> PerplexityResult:
     """Perplexity of ``tokens`` (``[N]``) read in segments of ``context`` tokens, each through a fresh cache.
 
     The text is cut into ``N // context`` consecutive segments (a shorter tail is dropped); segments stream in
-    batches of ``batch_size``. In each segment, tokens ``0 .. prefill_tokens-1`` are prefilled and the rest are
-    fed one ``decode_step`` at a time. Scored: the prediction of every token from ``prefill_tokens`` to the end
-    of its segment, each made with all earlier tokens of the segment having passed through the cache. The first
-    of those predictions comes from the prefill's last position; the rest from decode steps.
+    batches of ``batch_size``. With ``bos``, each segment is that token followed by ``context - 1`` tokens of text
+    (``N // (context - 1)`` segments), so a segment still fills ``context`` positions. In each segment, tokens
+    ``0 .. prefill_tokens-1`` are prefilled and the rest are fed one ``decode_step`` at a time. Scored: the
+    prediction of every token from ``prefill_tokens`` to the end of its segment, each made with all earlier tokens
+    of the segment having passed through the cache. The first of those predictions comes from the prefill's last
+    position; the rest from decode steps.
     """
     tokens = _token_vector(tokens, "tokens")
     require_int("context", context, 2)
@@ -93,10 +101,12 @@ def perplexity(
         raise ValueError(f"prefill_tokens: {prefill_tokens}; allowed: 1 <= prefill_tokens < context={context}")
     require_int("batch_size", batch_size, 1)
     _check_factory(make_cache)
-    n_segments = len(tokens) // context
+    _check_bos(bos, model)
+    text_len = context - (bos is not None)
+    n_segments = len(tokens) // text_len
     if n_segments == 0:
-        raise ValueError(f"tokens: {len(tokens)} tokens; allowed: at least context={context}")
-    segments = tokens[: n_segments * context].view(n_segments, context).to(model.device)
+        raise ValueError(f"tokens: {len(tokens)} tokens; allowed: at least {text_len} (context={context})")
+    segments = _with_bos(tokens[: n_segments * text_len].view(n_segments, text_len), bos).to(model.device)
     nll_sum = torch.zeros(context - prefill_tokens, dtype=torch.float64)
     with _bar(n_segments * (context - prefill_tokens), f"perplexity ctx={context}", progress) as bar:
         for batch in segments.split(batch_size):
@@ -119,21 +129,22 @@ def perplexity(
 
 
 def needle_prompts(
-    context: int, depth: float, n_trials: int, filler: torch.Tensor, seed: int = 0
+    context: int, depth: float, n_trials: int, filler: torch.Tensor, seed: int = 0, bos: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Prompts of exactly ``context`` tokens: filler, a passkey at ``depth``, filler, then ``<|ask|>``.
+    """Prompts of exactly ``context`` tokens: (``bos``,) filler, a passkey at ``depth``, filler, then ``<|ask|>``.
 
-    ``depth`` 0 puts the passkey first, 1 right before the question. Each trial draws its own passkey and filler
-    offset (the filler ``[N]`` wraps around when a prompt needs more than it holds), from a stream seeded by
-    ``(seed, context, depth)`` alone, so a cell's trials do not depend on which other cells are run.
+    ``depth`` 0 puts the passkey first (right after ``bos``), 1 right before the question. Each trial draws its
+    own passkey and filler offset (the filler ``[N]`` wraps around when a prompt needs more than it holds), from a
+    stream seeded by ``(seed, context, depth)`` alone, so a cell's trials do not depend on which other cells are
+    run.
     Returns ``prompts`` ``[n_trials, context]``, ``answers`` ``[n_trials]`` (passkey token ids) and the
     passkey's position.
     """
-    require_int("context", context, 3)
+    require_int("context", context, 3 + (bos is not None))
     _check_depth("depth", depth)
     require_int("n_trials", n_trials, 1)
     filler = _token_vector(filler, "filler")
-    n_filler = context - 2
+    n_filler = context - 2 - (bos is not None)
     position = round(depth * n_filler)
     rng = random.Random(f"kvlab-passkey:{seed}:{context}:{float(depth)!r}")
     prompts, answers = [], []
@@ -143,7 +154,7 @@ def needle_prompts(
         text = filler[(start + torch.arange(n_filler)) % len(filler)]
         prompts.append(torch.cat((text[:position], torch.tensor([answer]), text[position:], torch.tensor([ASK]))))
         answers.append(answer)
-    return torch.stack(prompts), torch.tensor(answers), position
+    return _with_bos(torch.stack(prompts), bos), torch.tensor(answers), position + (bos is not None)
 
 
 def needle_recall(
@@ -157,25 +168,27 @@ def needle_recall(
     prefill_tokens: int = 1,
     batch_size: int = 16,
     progress: bool = True,
+    bos: int | None = None,
 ) -> list[NeedleResult]:
     """Passkey recall for every (context, depth), streaming each prompt through the cache.
 
     Each prompt (see ``needle_prompts``) is fed as ``perplexity`` feeds a segment, so the policy acts from the
     ``prefill_tokens``-th token on; the answer is the greedy prediction after ``<|ask|>``. ``filler`` defaults to
-    the shipped held-out text.
+    the shipped held-out text; ``bos`` starts every prompt (see the module docstring).
     """
     contexts, depths = _nonempty("contexts", contexts), _nonempty("depths", depths)
     require_int("n_trials", n_trials, 1)
     require_int("prefill_tokens", prefill_tokens, 1)
     require_int("batch_size", batch_size, 1)
     _check_factory(make_cache)
+    _check_bos(bos, model)
     if model.cfg.vocab_size < VOCAB_SIZE:
         raise ValueError(
             f"model: vocab_size {model.cfg.vocab_size} has no passkey or <|ask|> tokens; allowed: a model with "
             f"vocab_size >= {VOCAB_SIZE} (kvlab.tokenizer), such as load_pretrained('kvlab-tiny-stdlib')"
         )
     for c in contexts:
-        require_int("contexts", c, max(3, prefill_tokens + 1))
+        require_int("contexts", c, max(3 + (bos is not None), prefill_tokens + 1))
     for d in depths:
         _check_depth("depths", d)
     filler = heldout_tokens() if filler is None else filler
@@ -183,7 +196,7 @@ def needle_recall(
     results = []
     with _bar(sum(n_trials * (c - prefill_tokens + 1) for c, _ in cells), "needle recall", progress) as bar:
         for context, depth in cells:
-            prompts, answers, position = needle_prompts(context, depth, n_trials, filler, seed)
+            prompts, answers, position = needle_prompts(context, depth, n_trials, filler, seed, bos)
             probs = torch.cat(
                 [_final_probs(model, p, make_cache, prefill_tokens, bar) for p in prompts.split(batch_size)]
             )
@@ -204,6 +217,63 @@ def needle_recall(
                 )
             )
     return results
+
+
+def attention_sink_share(
+    model: Decoder,
+    tokens: torch.Tensor | Sequence[int],
+    context: int = 512,
+    n_segments: int = 4,
+    bos: int | None = None,
+) -> list[float]:
+    """Per layer, the share of all attention that lands on each segment's first token (``bos``, if given).
+
+    Streams ``n_segments`` segments of ``context`` tokens (cut as ``perplexity`` cuts them) through a cache that
+    keeps every token and adds up the attention each key receives, over every query and query head. A token no
+    query favours still gets some: with attention spread evenly, the query at position ``t`` gives the first token
+    ``1 / (t + 1)`` of its weight, so the share would be ``uniform_first_token_share(context)``. An attention
+    sink, the first token soaking up the weight a head does not want to spend anywhere (StreamingLLM), takes
+    many times that.
+    """
+    tokens = _token_vector(tokens, "tokens")
+    require_int("context", context, 2)
+    require_int("n_segments", n_segments, 1)
+    _check_bos(bos, model)
+    text_len = context - (bos is not None)
+    if len(tokens) < n_segments * text_len:
+        raise ValueError(
+            f"n_segments: {n_segments} segments of {text_len} text tokens need {n_segments * text_len}; "
+            f"allowed: at most {len(tokens) // text_len} for these {len(tokens)} tokens"
+        )
+    segments = _with_bos(tokens[: n_segments * text_len].view(n_segments, text_len), bos).to(model.device)
+    # The one cache that records the attention each key receives; a budget of ``context`` evicts nothing.
+    cache = HeavyHitterKVCache.for_model(model, n_segments, context, heavy=0, recent=context)
+    with _bar(n_segments * context, "attention sinks", False) as bar:
+        deque(_stream(model, segments, cache, 1, bar), maxlen=0)
+    shares = []
+    for layer in range(model.cfg.n_layers):
+        received, positions = cache.attention_scores(layer), cache.kept_positions(layer)  # [B, Hkv, n] each
+        shares.append(float(received[positions == 0].sum() / received.sum()))
+    return shares
+
+
+def uniform_first_token_share(context: int) -> float:
+    """The first token's share of all attention over ``context`` causal queries that spread it evenly:
+    ``(1/1 + 1/2 + ... + 1/context) / context``."""
+    require_int("context", context, 1)
+    return sum(1 / (t + 1) for t in range(context)) / context
+
+
+def _with_bos(rows: torch.Tensor, bos: int | None) -> torch.Tensor:
+    """``rows`` ``[B, T]`` -> ``[B, T + 1]`` starting with ``bos``, or ``rows`` as they are without one."""
+    if bos is None:
+        return rows
+    return torch.cat((torch.full((rows.shape[0], 1), bos, dtype=rows.dtype, device=rows.device), rows), dim=1)
+
+
+def _check_bos(bos: object, model: Decoder) -> None:
+    if bos is not None and (isinstance(bos, bool) or not isinstance(bos, int) or not 0 <= bos < model.cfg.vocab_size):
+        raise ValueError(f"bos: {bos!r}; allowed: None or a token id in [0, {model.cfg.vocab_size})")
 
 
 def _final_probs(

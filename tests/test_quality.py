@@ -13,8 +13,14 @@ from kvlab.cache.contiguous import ContiguousKVCache
 from kvlab.config import ModelConfig
 from kvlab.model import Decoder
 from kvlab.pretrained import heldout_tokens, load_pretrained
-from kvlab.quality import needle_prompts, needle_recall, perplexity
-from kvlab.tokenizer import ASK, VOCAB_SIZE, is_passkey
+from kvlab.quality import (
+    attention_sink_share,
+    needle_prompts,
+    needle_recall,
+    perplexity,
+    uniform_first_token_share,
+)
+from kvlab.tokenizer import ASK, EOT, VOCAB_SIZE, is_passkey
 
 from .helpers import assert_greedy_picks
 
@@ -111,6 +117,40 @@ def test_needle_prompts_plant_the_passkey_at_the_depth() -> None:
     assert torch.equal(prompts, again) and not torch.equal(prompts, other)
 
 
+def test_bos_starts_every_segment_and_goes_unscored(model: Decoder, text: torch.Tensor) -> None:
+    got = perplexity(model, text, context=48, progress=False, bos=EOT)
+    # Each segment is BOS + 47 text tokens; brute force over the same rows, scoring every text token.
+    rows = torch.cat((torch.full((len(text) // 47, 1), EOT), text[: len(text) // 47 * 47].view(-1, 47)), dim=1)
+    want = brute_force_nll(model, rows.flatten(), 48, 1)
+    assert got.n_segments == len(text) // 47 and got.n_scored == got.n_segments * 47
+    assert_close(torch.tensor(got.nll_by_position, dtype=torch.float64), want, rtol=1e-4, atol=1e-5)
+
+
+def test_needle_prompts_with_bos_keep_the_context_length() -> None:
+    filler = heldout_tokens()[:1000]
+    plain, answers, pos = needle_prompts(context=200, depth=0.5, n_trials=3, filler=filler, seed=7)
+    with_bos, bos_answers, bos_pos = needle_prompts(200, 0.5, 3, filler, seed=7, bos=EOT)
+    assert with_bos.shape == (3, 200) and bool((with_bos[:, 0] == EOT).all())
+    assert torch.equal(answers, bos_answers) and bos_pos == 1 + round(0.5 * 197)
+    assert bool((with_bos[:, bos_pos] == answers).all()) and bool((with_bos[:, -1] == ASK).all())
+    assert pos == round(0.5 * 198)
+
+
+def test_attention_sink_share_of_even_attention_is_the_harmonic_share(text: torch.Tensor) -> None:
+    cfg = ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=VOCAB_SIZE, max_seq_len=64)
+    m = Decoder(cfg, device="cpu", seed=0)
+    with torch.no_grad():
+        for layer in m.layers:
+            layer.attn.wqkv[:, : cfg.n_heads * cfg.head_dim] = 0  # every score 0: each query spreads evenly
+    shares = attention_sink_share(m, text, context=40, n_segments=3)
+    assert_close(shares, [uniform_first_token_share(40)] * 2, rtol=1e-5, atol=0)
+    assert_close(uniform_first_token_share(3), (1 + 1 / 2 + 1 / 3) / 3, rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="^n_segments:"):
+        attention_sink_share(m, text, context=40, n_segments=6)
+    with pytest.raises(ValueError, match="^bos:"):
+        attention_sink_share(m, text, context=40, n_segments=1, bos=VOCAB_SIZE)
+
+
 @pytest.mark.parametrize("which", ["random", "shipped"])
 def test_needle_recall_matches_one_full_forward_pass(model: Decoder, which: str) -> None:
     m = model if which == "random" else load_pretrained("kvlab-tiny-stdlib", device="cpu")
@@ -142,8 +182,8 @@ def test_needle_recall_counts_exact_matches(model: Decoder, monkeypatch: pytest.
     (honest,) = needle_recall(model, **kwargs)
     said = torch.tensor(honest.predictions[:2])
 
-    def rigged(context: int, depth: float, n_trials: int, filler: torch.Tensor, seed: int = 0):
-        prompts, answers, pos = needle_prompts(context, depth, n_trials, filler, seed)
+    def rigged(context: int, depth: float, n_trials: int, filler: torch.Tensor, seed: int = 0, bos: int | None = None):
+        prompts, answers, pos = needle_prompts(context, depth, n_trials, filler, seed, bos)
         return prompts, torch.cat((said, answers[2:])), pos
 
     monkeypatch.setattr(quality, "needle_prompts", rigged)
@@ -173,6 +213,8 @@ def test_needle_recall_falls_to_chance_when_the_cache_forgets() -> None:
         ({"prefill_tokens": 32}, "prefill_tokens"),
         ({"batch_size": 0}, "batch_size"),
         ({"make_cache": "full"}, "make_cache"),
+        ({"bos": True}, "bos"),
+        ({"bos": -1}, "bos"),
     ],
 )
 def test_perplexity_rejects_bad_inputs(model: Decoder, text: torch.Tensor, kwargs: dict, name: str) -> None:

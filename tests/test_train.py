@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from importlib import resources
 
 import pytest
 import torch
 from torch.testing import assert_close
 
-from kvlab.pretrained import heldout_tokens, list_pretrained, load_pretrained, pretrained_info
+from kvlab.cache.window import WindowKVCache
+from kvlab.pretrained import bos_token, heldout_tokens, list_pretrained, load_pretrained, pretrained_info
 from kvlab.quality import CHANCE, needle_recall, perplexity
 from kvlab.tokenizer import ASK, EOT, EOT_TEXT, N_PASSKEYS, VOCAB_SIZE, decode, encode, is_passkey, passkey
 from kvlab.train import (
@@ -17,6 +19,7 @@ from kvlab.train import (
     TrainConfig,
     card,
     lr_at,
+    parser,
     sample_batch,
     split_targets,
     train,
@@ -39,6 +42,7 @@ TINY = TrainConfig(
     threads=1,
 )
 SHIPPED = "kvlab-tiny-stdlib"
+CHECKPOINTS = ["kvlab-tiny-stdlib", "kvlab-tiny-stdlib-bos"]
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +86,18 @@ def test_needle_rows_plant_one_passkey_and_ask_for_it_later(corpus: torch.Tensor
         gaps += (asks - keys[0]).tolist()
     # Log-uniform distances: both short and long gaps occur.
     assert min(gaps) < 16 and max(gaps) > 64
+
+
+def test_bos_rows_are_the_plain_rows_shifted_behind_endoftext(corpus: torch.Tensor) -> None:
+    plain = sample_batch(corpus, TINY, torch.Generator().manual_seed(3))
+    with_bos = sample_batch(corpus, dataclasses.replace(TINY, bos=True), torch.Generator().manual_seed(3))
+    assert with_bos.shape == plain.shape
+    assert bool((with_bos[:, 0] == EOT).all()) and torch.equal(with_bos[:, 1:], plain[:, :-1])
+
+
+def test_boolean_flags_parse_both_ways() -> None:
+    assert parser().parse_args(["--bos"]).bos is True
+    assert parser().parse_args(["--no-bos"]).bos is False and parser().parse_args([]).bos is False
 
 
 def test_split_targets_scores_text_and_answers_apart() -> None:
@@ -129,44 +145,69 @@ def test_train_config_rejects_impossible_mixes() -> None:
         TrainConfig(needle_fraction=1.5)
 
 
-def test_shipped_checkpoint_reproduces_its_recorded_perplexity() -> None:
-    assert SHIPPED in list_pretrained()
-    record = pretrained_info(SHIPPED)["eval"]
-    model = load_pretrained(SHIPPED, device="cpu")
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_shipped_checkpoint_reproduces_its_recorded_perplexity(name: str) -> None:
+    assert name in list_pretrained()
+    record = pretrained_info(name)["eval"]
+    model = load_pretrained(name, device="cpu")
     start, stop = record["slice"]
     assert stop - start <= 4096
     tokens = heldout_tokens()[start:stop]
-    got = perplexity(model, tokens, context=record["context"], prefill_tokens=record["prefill_tokens"], progress=False)
+    got = perplexity(
+        model, tokens, record["context"], prefill_tokens=record["prefill_tokens"], progress=False, bos=bos_token(name)
+    )
     # Recorded when the checkpoint was trained, on whatever CPU that was; rounding moves a perplexity by ~1e-6 of
     # itself, a different slice or context by percents.
     assert_close(got.ppl, record["perplexity"], rtol=0.01, atol=0)
 
 
-def test_shipped_checkpoint_reproduces_its_recorded_recall() -> None:
-    record = pretrained_info(SHIPPED)["eval"]
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_shipped_checkpoint_reproduces_its_recorded_recall(name: str) -> None:
+    record = pretrained_info(name)["eval"]
     cell = record["needle"][len(record["needle"]) // 2]
-    model = load_pretrained(SHIPPED, device="cpu")
-    (got,) = needle_recall(model, [cell["context"]], [cell["depth"]], n_trials=record["needle_trials"], progress=False)
+    model = load_pretrained(name, device="cpu")
+    (got,) = needle_recall(
+        model, [cell["context"]], [cell["depth"]], record["needle_trials"], progress=False, bos=bos_token(name)
+    )
     assert got.distance == cell["distance"]
     # Greedy answers: a near-tie may flip a trial on another CPU; 0.05 allows two of the 40 recorded trials.
     assert_close(got.accuracy, cell["accuracy"], rtol=0, atol=0.05)
     assert_close(got.answer_prob, cell["answer_prob"], rtol=0, atol=0.02)
 
 
-def test_shipped_checkpoint_is_small_and_learned_something() -> None:
-    info = pretrained_info(SHIPPED)
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_shipped_checkpoint_reproduces_its_recorded_sink_study(name: str) -> None:
+    """One row of the card's sink study: window + sinks, reassigned, past the trained length."""
+    study = pretrained_info(name)["eval"]["sinks"]
+    model = load_pretrained(name, device="cpu")
+    bos = bos_token(name)
+    text = heldout_tokens()[: study["segments"] * (study["context"] - (bos is not None))]
+    make_cache = partial(WindowKVCache.for_model, window=study["window"], sinks=study["sinks"], positions="reassigned")
+    got = perplexity(model, text, study["context"], make_cache, progress=False, bos=bos)
+    assert got.n_segments == study["segments"]
+    assert_close(got.ppl, study["perplexity"]["window+sinks/reassigned"], rtol=0.01, atol=0)
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_shipped_checkpoint_is_small_and_learned_something(name: str) -> None:
+    info = pretrained_info(name)
     assert info["model"]["vocab_size"] == VOCAB_SIZE
-    assert len(resources.files("kvlab.data").joinpath(f"{SHIPPED}.safetensors").read_bytes()) <= 10_000_000
+    assert len(resources.files("kvlab.data").joinpath(f"{name}.safetensors").read_bytes()) <= 10_000_000
     # A byte model that learned nothing scores ln(257) nats; the recorded slice must be far below that.
     assert info["eval"]["perplexity"] < 8
     # Passkey recall well above chance at every recorded depth.
     assert all(n["accuracy"] > 10 * CHANCE for n in info["eval"]["needle"])
 
 
-def test_shipped_card_is_rendered_from_its_record() -> None:
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_shipped_card_is_rendered_from_its_record(name: str) -> None:
     data = resources.files("kvlab.data")
-    size = len(data.joinpath(f"{SHIPPED}.safetensors").read_bytes())
-    assert data.joinpath(f"{SHIPPED}.md").read_text() == card(SHIPPED, pretrained_info(SHIPPED), size)
+    size = len(data.joinpath(f"{name}.safetensors").read_bytes())
+    assert data.joinpath(f"{name}.md").read_text() == card(name, pretrained_info(name), size)
+
+
+def test_bos_token_follows_the_training_record() -> None:
+    assert bos_token("kvlab-tiny-stdlib") is None and bos_token("kvlab-tiny-stdlib-bos") == EOT
 
 
 def test_unknown_checkpoint_names_the_known_ones() -> None:
