@@ -225,19 +225,24 @@ def attention_sink_share(
     context: int = 512,
     n_segments: int = 4,
     bos: int | None = None,
+    queries: int | None = None,
 ) -> list[float]:
-    """Per layer, the share of all attention that lands on each segment's first token (``bos``, if given).
+    """Per layer, the share of the attention that the last ``queries`` positions of each segment (default: all
+    ``context``) give the segment's first token (``bos``, if given).
 
     Streams ``n_segments`` segments of ``context`` tokens (cut as ``perplexity`` cuts them) through a cache that
     keeps every token and adds up the attention each key receives, over every query and query head. A token no
     query favours still gets some: with attention spread evenly, the query at position ``t`` gives the first token
-    ``1 / (t + 1)`` of its weight, so the share would be ``uniform_first_token_share(context)``. An attention
-    sink, the first token soaking up the weight a head does not want to spend anywhere (StreamingLLM), takes
-    many times that.
+    ``1 / (t + 1)`` of its weight (``uniform_first_token_share``). An attention sink, the first token soaking up
+    the weight a head does not want to spend anywhere (StreamingLLM), takes many times that. Late queries say
+    more than early ones, which have few other tokens to attend to.
     """
     tokens = _token_vector(tokens, "tokens")
     require_int("context", context, 2)
     require_int("n_segments", n_segments, 1)
+    queries = context if queries is None else queries
+    if isinstance(queries, bool) or not isinstance(queries, int) or not 1 <= queries <= context:
+        raise ValueError(f"queries: {queries!r}; allowed: None or an integer in [1, context={context}]")
     _check_bos(bos, model)
     text_len = context - (bos is not None)
     if len(tokens) < n_segments * text_len:
@@ -248,20 +253,30 @@ def attention_sink_share(
     segments = _with_bos(tokens[: n_segments * text_len].view(n_segments, text_len), bos).to(model.device)
     # The one cache that records the attention each key receives; a budget of ``context`` evicts nothing.
     cache = HeavyHitterKVCache.for_model(model, n_segments, context, heavy=0, recent=context)
-    with _bar(n_segments * context, "attention sinks", False) as bar:
-        deque(_stream(model, segments, cache, 1, bar), maxlen=0)
-    shares = []
-    for layer in range(model.cfg.n_layers):
-        received, positions = cache.attention_scores(layer), cache.kept_positions(layer)  # [B, Hkv, n] each
-        shares.append(float(received[positions == 0].sum() / received.sum()))
-    return shares
+    layers = range(model.cfg.n_layers)
+    first, before = context - queries, [(0.0, 0.0)] * model.cfg.n_layers
+    if first:
+        model.prefill(segments[:, :first], cache)
+        before = [_first_and_total(cache, layer) for layer in layers]
+    for t in range(first, context):
+        model.decode_step(segments[:, t], cache)
+    after = [_first_and_total(cache, layer) for layer in layers]
+    return [(a[0] - b[0]) / (a[1] - b[1]) for a, b in zip(after, before, strict=True)]
 
 
-def uniform_first_token_share(context: int) -> float:
-    """The first token's share of all attention over ``context`` causal queries that spread it evenly:
-    ``(1/1 + 1/2 + ... + 1/context) / context``."""
+def uniform_first_token_share(context: int, queries: int | None = None) -> float:
+    """The first token's share of the attention of the last ``queries`` of ``context`` causal queries (default:
+    all), if each spread its weight evenly: the mean of ``1 / (t + 1)`` over their positions ``t``."""
     require_int("context", context, 1)
-    return sum(1 / (t + 1) for t in range(context)) / context
+    queries = context if queries is None else queries
+    require_int("queries", queries, 1)
+    return sum(1 / (t + 1) for t in range(context - queries, context)) / queries
+
+
+def _first_and_total(cache: HeavyHitterKVCache, layer: int) -> tuple[float, float]:
+    """Attention received so far by position 0, and by every key, in one layer, summed over sequences and heads."""
+    received, positions = cache.attention_scores(layer), cache.kept_positions(layer)  # [B, Hkv, n] each
+    return float(received[positions == 0].sum()), float(received.sum())
 
 
 def _with_bos(rows: torch.Tensor, bos: int | None) -> torch.Tensor:

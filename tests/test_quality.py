@@ -144,7 +144,12 @@ def test_attention_sink_share_of_even_attention_is_the_harmonic_share(text: torc
             layer.attn.wqkv[:, : cfg.n_heads * cfg.head_dim] = 0  # every score 0: each query spreads evenly
     shares = attention_sink_share(m, text, context=40, n_segments=3)
     assert_close(shares, [uniform_first_token_share(40)] * 2, rtol=1e-5, atol=0)
+    late = attention_sink_share(m, text, context=40, n_segments=3, queries=10)  # a prefill, then 10 decode steps
+    assert_close(late, [uniform_first_token_share(40, 10)] * 2, rtol=1e-5, atol=0)
     assert_close(uniform_first_token_share(3), (1 + 1 / 2 + 1 / 3) / 3, rtol=1e-12, atol=0)
+    assert_close(uniform_first_token_share(3, 1), 1 / 3, rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="^queries:"):
+        attention_sink_share(m, text, context=40, n_segments=1, queries=41)
     with pytest.raises(ValueError, match="^n_segments:"):
         attention_sink_share(m, text, context=40, n_segments=6)
     with pytest.raises(ValueError, match="^bos:"):

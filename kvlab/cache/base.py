@@ -194,19 +194,23 @@ class KVCache(ABC):
 
         For timing sweeps: a decode step's time depends on how many bytes it streams, not on their values (no
         branch depends on the data), so a 32k-token context filled this way costs a step what a real prefill
-        would leave behind, without the minutes that prefill takes on a CPU. Values are standard normal, so
-        softmax sees ordinary numbers. Goes through ``reserve``/``append``, so a policy or codec applies as usual.
+        would leave behind, without the minutes that prefill takes on a CPU. Values are standard normal (one
+        chunk's worth, repeated), so softmax sees ordinary numbers. Goes through ``reserve``/``append``, so a
+        policy or codec applies as usual.
         """
         require_int("n_tokens", n_tokens, 0)
         shape = self.shape
+        # One chunk of random K/V, drawn once and written at every chunk and layer: drawing normal numbers is far
+        # slower than storing them, and a step's time does not depend on which ordinary numbers it streams.
+        size = (2, self.batch_size, min(chunk, n_tokens), shape.n_kv_heads, shape.head_dim)
+        k_all, v_all = torch.randn(size, generator=generator).to(self.device, self.torch_dtype).unbind(0)
+        if shape.latent_values:
+            v_all = k_all[..., : shape.latent_values]
         for done in range(0, n_tokens, chunk):
             n = min(chunk, n_tokens - done)
             self.reserve(n)
-            size = (self.batch_size, n, shape.n_kv_heads, shape.head_dim)
             for layer in range(self.n_layers):
-                k = torch.randn(size, generator=generator).to(self.device, self.torch_dtype)
-                v = k[..., : shape.latent_values] if shape.latent_values else torch.randn_like(k)
-                self.append(layer, k, v)
+                self.append(layer, k_all[:, :n], v_all[:, :n])
 
     @property
     def device(self) -> torch.device:
