@@ -22,6 +22,9 @@ from kvlab.course import (
     lesson04_batching,
     lesson05_prefix_caching,
     lesson06_gqa_mqa_mla,
+    lesson07_window_sinks,
+    lesson08_heavy_hitters,
+    lesson09_kv_quantization,
 )
 from kvlab.engine import Engine, Request, RequestResult, RunReport, SimulatedClock
 from kvlab.model import Decoder
@@ -340,3 +343,130 @@ check_split_slope = _hidden(lesson06_gqa_mqa_mla.check_split_slope)
 check_mla_kv_bytes = _hidden(lesson06_gqa_mqa_mla.check_mla_kv_bytes)
 check_absorbed_intensity = _hidden(lesson06_gqa_mqa_mla.check_absorbed_intensity)
 check_absorbed_step = _hidden(lesson06_gqa_mqa_mla.check_absorbed_step)
+
+
+# -- lesson 07 (its hidden cases and checks go here) --
+CASES.update(
+    {
+        # fewer tokens than sinks; one short of full, exactly full, the first eviction; no sinks; a window of 1
+        "check_kept_positions": ((3, 4, 8), (11, 8, 4), (12, 8, 4), (13, 8, 4), (50, 7, 0), (30, 1, 3)),
+        # before and right after the first eviction, no sinks, a window of 1, far past the window
+        "check_reassigned_positions": ((12, 8, 4), (13, 8, 4), (77, 9, 0), (40, 1, 2), (100_000, 500, 3)),
+        # GQA, a tied bf16 MQA whose head_dim is not d_model / n_heads, a context shorter than the window
+        "check_window_bytes_read": (
+            (_GQA, 9000, 1000, 7, "fp32"),
+            (_MQA_TIED, 50_000, 2044, 4, "bf16"),
+            (_WIDE_HEADS, 300, 1020, 4, "fp16"),
+            (_MQA_TIED, 2048, 2044, 4, "fp32"),
+        ),
+        # the passkey at the window's oldest position and one before it; a sink and the first non-sink; a prompt
+        # shorter than the window; one position before the oldest of a long prompt
+        "check_passkey_kept": (
+            (258, 0.5, 130, 0),
+            (258, 0.5, 129, 0),
+            (1000, 0.003, 100, 4),
+            (1000, 0.004, 100, 4),
+            (300, 0.2, 1000, 0),
+            (4096, 0.75, 1024, 0),
+        ),
+        "check_largest_distance": (
+            (5000, 100, 4, "original"),
+            (5000, 100, 4, "reassigned"),
+            (5000, 100, 0, "reassigned"),
+            (50, 100, 4, "reassigned"),
+            (105, 100, 4, "original"),
+        ),
+    }
+)
+check_kept_positions = _hidden(lesson07_window_sinks.check_kept_positions)
+check_reassigned_positions = _hidden(lesson07_window_sinks.check_reassigned_positions)
+check_window_bytes_read = _hidden(lesson07_window_sinks.check_window_bytes_read)
+check_passkey_kept = _hidden(lesson07_window_sinks.check_passkey_kept)
+check_largest_distance = _hidden(lesson07_window_sinks.check_largest_distance)
+
+# -- lesson 08 (its hidden cases and checks go here) --
+# Ties at the boundary, heavy 0 (a window of the recent alone), fewer tokens than the budget, one recent; a GQA bf16
+# model at batch 5 exactly at the budget (no eviction read yet), an fp16 MQA past it; made-up score rows with ties;
+# rebuilds at other sizes; chats with a rebuild at every turn.
+CASES.update(
+    {
+        "check_h2o_keep": (
+            lesson08_heavy_hitters._random_case(30, 8, 4, seed=101, ties=True),
+            lesson08_heavy_hitters._random_case(15, 0, 5, seed=102),
+            lesson08_heavy_hitters._random_case(5, 8, 2, seed=103),
+            lesson08_heavy_hitters._random_case(64, 16, 1, seed=104, ties=True),
+        ),
+        "check_h2o_bytes_per_step": (
+            (_GQA.replace(dtype="bf16"), 300, 200, 100, 5),
+            (_MQA_TIED.replace(dtype="fp16"), 10_000, 96, 32, 2),
+            (_WIDE_HEADS, 7, 3, 2, 1),
+        ),
+        "check_passkey_rank": (
+            lesson08_heavy_hitters._rank_case(40, 17, seed=111, ties=True),
+            lesson08_heavy_hitters._rank_case(7, 6, seed=112),
+        ),
+        "check_break_even_steps": (
+            (lesson08_heavy_hitters.Rebuild("cap", 3, 5000, 1234, 100, 1234 * 2048, 3766 * 2048, 0.0421), 900.0),
+            (lesson08_heavy_hitters.Rebuild("compaction", 1, 77, 50, 50, 50 * 64, 27 * 64, 0.0005), 1.5),
+        ),
+        "check_chat_time": (
+            lesson08_heavy_hitters._made_up_turns(5, seed=121, rebuild_every=1),
+            lesson08_heavy_hitters._made_up_turns(8, seed=122, rebuild_every=3),
+        ),
+    }
+)
+check_h2o_keep = _hidden(lesson08_heavy_hitters.check_h2o_keep)
+check_h2o_bytes_per_step = _hidden(lesson08_heavy_hitters.check_h2o_bytes_per_step)
+check_passkey_rank = _hidden(lesson08_heavy_hitters.check_passkey_rank)
+check_break_even_steps = _hidden(lesson08_heavy_hitters.check_break_even_steps)
+check_chat_time = _hidden(lesson08_heavy_hitters.check_chat_time)
+
+
+# -- lesson 09 (its hidden cases and checks go here) --
+# Other shapes, bit widths (5, 6: not the lesson's), a group size that divides one dim only, negative dims; int4
+# with an odd last dim and ragged groups; a KIVI cache with residual 0, a bf16 MQA on the naive path, a context that
+# leaves a partial group in the residual (129 - 64 = 65: two groups quantized), a head_dim (50) that is not a
+# multiple of the group; other models and GPUs; attention data with other shapes, bits and groups.
+CASES.update(
+    {
+        "check_quantize": (
+            ((3, 2, 96, 48), 5, 24, 2, 21),
+            ((1, 4, 40, 64), 8, 64, 3, 22),
+            ((6, 128), 6, 16, -1, 23),
+            ((2, 1, 32, 16), 4, 32, -2, 24),
+        ),
+        "check_dequantize": (
+            ((2, 3, 48, 96), 6, 24, 3, 25),
+            ((5, 64, 8), 3, 16, 1, 26),
+            ((1, 1, 128, 32), 8, 128, -2, 27),
+        ),
+        "check_quantized_bytes": (
+            ((3, 5, 77, 96), "int4", 64, 2),
+            ((2, 7, 33), "fp8", 16, 1),
+            ((1, 2, 257, 65), "int4", 32, 3),
+            ((4, 1000), "int8", 128, 0),
+        ),
+        "check_kivi_bytes": (
+            (_GQA, 5000, "int4", 32, 0, 2, "chunked"),
+            (_MQA_TIED, 3001, "fp8", 64, 256, 1, "naive"),
+            (_WIDE_HEADS, 129, "int8", 32, 64, 3, "chunked"),
+            (_ODD_A, 777, "int4", 16, 100, 1, "chunked"),
+        ),
+        "check_fp8_kv_tpot": (
+            (get_model("llama-3.1-70b"), 65_536, 3350.0),
+            (_MQA_TIED, 12_345, 900.0),
+            (get_model("qwen3-8b"), 4096, 1008.0),
+        ),
+        "check_kivi_error": (
+            lesson09_kv_quantization._error_case(31, (1, 1, 4, 320, 64), 3, 32, "per-channel"),
+            lesson09_kv_quantization._error_case(32, (2, 2, 2, 96, 48), 4, 16, "per-token"),
+            lesson09_kv_quantization._error_case(33, (1, 2, 2, 128, 32), 6, 32, "per-channel"),
+        ),
+    }
+)
+check_quantize = _hidden(lesson09_kv_quantization.check_quantize)
+check_dequantize = _hidden(lesson09_kv_quantization.check_dequantize)
+check_quantized_bytes = _hidden(lesson09_kv_quantization.check_quantized_bytes)
+check_kivi_bytes = _hidden(lesson09_kv_quantization.check_kivi_bytes)
+check_fp8_kv_tpot = _hidden(lesson09_kv_quantization.check_fp8_kv_tpot)
+check_kivi_error = _hidden(lesson09_kv_quantization.check_kivi_error)

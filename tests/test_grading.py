@@ -189,6 +189,7 @@ def hidden_expected_values(name: str) -> set[str]:
         "check_ttft_saved": lambda records: [(-1.0, -1.0)] * len({r["turn"] for r in records}),
         "check_blocks_needed": lambda *a: (-1, -1),
         "check_cascade_bytes": lambda *a: (-1, -1),
+        "check_chat_time": lambda *a: (-1.0, -1.0),
     }
     # Checks that also take a learner's earlier answer get a right one, so that only the answer checked is wrong.
     earlier_answers = {"check_prefix_hit_tokens": (chained_block_hashes,)}
