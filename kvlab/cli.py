@@ -14,11 +14,12 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict
 
 from kvlab.config import ModelConfig
 from kvlab.dtypes import BYTES_PER_ELEMENT, KV_DTYPES, canonical_dtype
 from kvlab.presets import get_gpu, get_model, gpu_presets, model_presets, params_verified
-from kvlab.roofline import active_params, kv_bytes_per_token, param_count, predict
+from kvlab.roofline import active_params, kv_bytes_per_token, param_count, predict, predict_speculative
 
 TOKENS_PER_K = 1024
 
@@ -60,6 +61,16 @@ def _positive_float(text: str, name: str) -> float:
         value = -1.0
     if not value > 0:
         raise UsageError(f"{name}: {text!r}; allowed: a number > 0")
+    return value
+
+
+def _probability(text: str, name: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        raise UsageError(f"{name}: {text!r}; allowed: a probability in [0, 1], such as 0.7")
     return value
 
 
@@ -144,8 +155,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
         field, _, rest = str(e).partition(": ")
         raise UsageError(f"--{field.replace('_', '-')}: {rest}") from None
     memory_needed = p.weight_bytes + p.kv_bytes
+    spec = _speculation(args, p, context, bandwidth, batch)
     if args.json:
         out = p.to_dict() | {"attention": cfg.attention_kind, "memory_needed_bytes": memory_needed}
+        if spec is not None:
+            out["speculative"] = asdict(spec)
         if memory_gb is not None:
             out["gpu_memory_bytes"] = round(memory_gb * 1e9)
         print(json.dumps(out, indent=2))
@@ -164,6 +178,23 @@ def cmd_predict(args: argparse.Namespace) -> int:
         ("TPOT", f"{p.tpot_ms:,.2f} ms at full bandwidth (weights alone {p.tpot_ms_weights_only:,.2f} ms)"),
         ("TPOT, real systems", f"{lo:,.2f}-{hi:,.2f} ms: {p.tpot_ms_range_basis}"),
     ]
+    if spec is not None:
+        drafter = (
+            f"draft {args.draft_model}, {_gb(spec.draft_bytes_per_step)} per step"
+            if args.draft_model
+            else ("a drafter that reads no bytes (prompt lookup)")
+        )
+        rows += [
+            (
+                "speculation",
+                f"k={spec.k} drafts at acceptance {spec.acceptance:g}: {spec.tokens_per_step:.2f} tokens "
+                f"per verify step; {drafter}",
+            ),
+            (
+                "TPOT, speculative",
+                f"{spec.tpot_ms:,.2f} ms per token at full bandwidth ({spec.speedup:.2f}x fewer bytes per token)",
+            ),
+        ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
@@ -182,6 +213,23 @@ def cmd_predict(args: argparse.Namespace) -> int:
     if cfg.layer_windows and any(w is not None for w in cfg.layer_windows):
         print("note: local (sliding-window) layers read at most their window; KV read accounts for that")
     return 0
+
+
+def _speculation(args: argparse.Namespace, p, context: int, bandwidth: float, batch: int):
+    """``--speculate K --acceptance A [--draft-model NAME]``: bytes per token of speculative decoding, or None."""
+    if args.speculate is None:
+        if args.acceptance is not None or args.draft_model:
+            raise UsageError("--acceptance/--draft-model: they need --speculate K (drafts per verify step)")
+        return None
+    k = _count(args.speculate, "--speculate")
+    if args.acceptance is None:
+        raise UsageError("--acceptance: missing; allowed: the share of drafts accepted, in [0, 1] (e.g. 0.7)")
+    acceptance = _probability(args.acceptance, "--acceptance")
+    draft_bytes = 0
+    if args.draft_model:
+        draft_cfg = _usage(get_model, args.draft_model, "--draft-model")
+        draft_bytes = predict(draft_cfg, min(context, draft_cfg.max_seq_len), bandwidth, batch).bytes_per_step
+    return predict_speculative(p.bytes_per_step, k, acceptance, bandwidth, draft_bytes)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -314,6 +362,11 @@ def build_parser() -> argparse.ArgumentParser:
         "TPOT is the bandwidth bound: the bytes a step reads (MoE: the experts its batch routes to) over the "
         "bandwidth. 'real systems' divides it by the range of bandwidth fractions published decode measurements "
         "reached (kvlab/data/published_decode.csv). --context may not exceed the model's max context."
+    )
+    p.add_argument("--speculate", help="K drafted tokens per verify step: predict speculative decoding's TPOT")
+    p.add_argument("--acceptance", help="with --speculate: the share of drafts the target accepts, in [0, 1]")
+    p.add_argument(
+        "--draft-model", help="with --speculate: the draft model's preset (default: a drafter reading no bytes)"
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_predict)

@@ -502,6 +502,78 @@ def crossover_context(weight_bytes: float, kv_bytes_per_token: float, batch: int
     return weight_bytes / (batch * kv_bytes_per_token)
 
 
+# -- speculative decoding ----------------------------------------------------------------------------------------
+def expected_tokens_per_step(acceptance: float, k: int) -> float:
+    """Tokens one speculative verify step yields on average, when each of ``k`` drafts is accepted with probability
+    ``acceptance`` given the ones before it were: ``1 + a + a^2 + ... + a^k = (1 - a^(k+1)) / (1 - a)`` (the
+    accepted drafts, plus the target's own token after them). ``k + 1`` at ``a = 1``; 1 at ``k = 0``."""
+    _check_acceptance(acceptance)
+    require_int("k", k, 0)
+    return float(k + 1) if acceptance == 1 else (1 - acceptance ** (k + 1)) / (1 - acceptance)
+
+
+@dataclass(frozen=True)
+class SpeculativePrediction:
+    """Bytes per generated token with speculative decoding, against plain decoding, from the byte model.
+
+    A round is ``k`` draft steps and one verify step. The verify step streams the target's weights and KV once for
+    ``k + 1`` positions (the ``k`` extra positions' own K/V are a rounding error against the context), so it reads
+    what a plain step reads: ``target_bytes_per_step``. Each draft step reads ``draft_bytes_per_step`` (0 for
+    prompt lookup). ``speedup`` is plain bytes per token over speculative bytes per token; it assumes every step is
+    bandwidth-bound, which a verify step of ``k + 1`` positions stays at batch 1 but not at large batch (lesson 02's
+    roofline), and it leaves out the drafter's fixed per-step costs.
+    """
+
+    k: int
+    acceptance: float
+    tokens_per_step: float
+    target_bytes_per_step: int
+    draft_bytes_per_step: int
+    bytes_per_round: int
+    bytes_per_token: float
+    speedup: float
+    tpot_ms: float
+
+
+def predict_speculative(
+    target_bytes_per_step: int, k: int, acceptance: float, bandwidth_gbps: float, draft_bytes_per_step: int = 0
+) -> SpeculativePrediction:
+    """``SpeculativePrediction`` for ``k`` drafts per verify step at acceptance rate ``acceptance``."""
+    require_int("target_bytes_per_step", target_bytes_per_step)
+    require_int("draft_bytes_per_step", draft_bytes_per_step, 0)
+    tokens = expected_tokens_per_step(acceptance, k)
+    per_round = target_bytes_per_step + k * draft_bytes_per_step
+    per_token = per_round / tokens
+    return SpeculativePrediction(
+        k=k,
+        acceptance=acceptance,
+        tokens_per_step=tokens,
+        target_bytes_per_step=target_bytes_per_step,
+        draft_bytes_per_step=draft_bytes_per_step,
+        bytes_per_round=per_round,
+        bytes_per_token=per_token,
+        speedup=target_bytes_per_step / per_token,
+        tpot_ms=predict_tpot_ms(per_token, bandwidth_gbps),
+    )
+
+
+def best_speculation_k(
+    target_bytes_per_step: int, acceptance: float, draft_bytes_per_step: int = 0, k_max: int = 16
+) -> int:
+    """The ``k`` in ``0 .. k_max`` with the fewest bytes per token (the smallest such ``k`` on a tie)."""
+    require_int("k_max", k_max, 0)
+    cost = [
+        predict_speculative(target_bytes_per_step, k, acceptance, 1.0, draft_bytes_per_step).bytes_per_token
+        for k in range(k_max + 1)
+    ]
+    return cost.index(min(cost))
+
+
+def _check_acceptance(acceptance: float) -> None:
+    if isinstance(acceptance, bool) or not isinstance(acceptance, (int, float)) or not 0 <= acceptance <= 1:
+        raise ValueError(f"acceptance: {acceptance!r}; allowed: a probability in [0, 1]")
+
+
 @dataclass(frozen=True)
 class MLAAttentionFlops:
     """FLOPs (2 per multiply-add) of one layer's attention for one new token over ``context`` tokens, by part.

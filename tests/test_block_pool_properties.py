@@ -1,4 +1,4 @@
-"""Random interleavings of the block pool's operations, checked against a model of what each block must hold.
+"""Random interleavings of the block pool's operations (truncation included), checked against a model of what each block must hold.
 
 The machine keeps a fake K/V store next to the pool: the value of a slot is a function of the whole token history
 up to that position (real K/V depend on every earlier token). It applies the pool's copy-on-write copies and
@@ -98,6 +98,16 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
         self.free_seq(data.draw(st.sampled_from(sorted(self.history))))
+
+    @precondition(lambda self: self.history)
+    @rule(data=st.data())
+    def truncate(self, data: st.DataObject) -> None:
+        """Speculative decoding's rollback: later appends rewrite the forgotten slots, so no block that still
+        answers prefix lookups may be among those rewritten in place."""
+        seq = data.draw(st.sampled_from(sorted(self.history)))
+        length = data.draw(st.integers(0, len(self.history[seq])))
+        self.pool.truncate(seq, length)
+        del self.history[seq][length:]
 
     @precondition(lambda self: self.freed)
     @rule(data=st.data())

@@ -25,6 +25,22 @@ def test_predict_reproduces_the_worked_example(capsys):
     assert "more than one h100-sxm's 80 GB" in out
 
 
+def test_predict_speculation_divides_the_round_by_the_expected_tokens(capsys):
+    base = ["predict", "--model", "llama-3.1-70b", "--gpu", "h100-sxm", "--context", "8k", "--json"]
+    _, plain, _ = run(capsys, *base)
+    code, out, _ = run(capsys, *base, "--speculate", "4", "--acceptance", "0.5", "--draft-model", "llama-3.1-8b")
+    assert code == 0
+    step, spec = json.loads(plain)["bytes_per_step"], json.loads(out)["speculative"]
+    _, draft, _ = run(capsys, "predict", "--model", "llama-3.1-8b", "--gpu", "h100-sxm", "--context", "8k", "--json")
+    draft_step = json.loads(draft)["bytes_per_step"]
+    tokens = 1 + 0.5 + 0.25 + 0.125 + 0.0625
+    assert spec["draft_bytes_per_step"] == draft_step and spec["tokens_per_step"] == tokens
+    assert spec["bytes_per_token"] == (step + 4 * draft_step) / tokens
+    code, out, _ = run(capsys, *base[:-1], "--speculate", "3", "--acceptance", "0.8")
+    assert code == 0 and "k=3 drafts at acceptance 0.8: 2.95 tokens per verify step" in out
+    assert "a drafter that reads no bytes (prompt lookup)" in out and "TPOT, speculative" in out
+
+
 def test_predict_json_fields(capsys):
     code, out, _ = run(
         capsys,
@@ -166,6 +182,24 @@ def test_predict_reads_a_hugging_face_config(tmp_path, capsys):
         (
             ["predict", "--model", "llama-3.1-8b", "--bandwidth", "9", "--context", "9", "--kv-dtype", "mxfp4"],
             ["--kv-dtype", "int4"],
+        ),
+        (
+            ["predict", "--model", "llama-3.1-8b", "--bandwidth", "9", "--context", "9", "--acceptance", "0.5"],
+            ["--acceptance", "--speculate"],
+        ),
+        (
+            ["predict", "--model", "llama-3.1-8b", "--bandwidth", "9", "--context", "9", "--speculate", "4"],
+            ["--acceptance", "[0, 1]"],
+        ),
+        (
+            ["predict", "--model", "llama-3.1-8b", "--bandwidth", "9", "--context", "9", "--speculate", "2"]
+            + ["--acceptance", "1.5"],
+            ["--acceptance", "probability"],
+        ),
+        (
+            ["predict", "--model", "llama-3.1-8b", "--bandwidth", "9", "--context", "9", "--speculate", "2"]
+            + ["--acceptance", "0.5", "--draft-model", "gpt-5"],
+            ["--draft-model"],
         ),
         (["bench", "--preset", "mixtral-8x7b"], ["--preset", "cannot run yet", "mixture-of-experts"]),
         (["bench", "--fill", "slow"], ["--fill", "prefill"]),

@@ -28,7 +28,7 @@ LEVELS: tuple[tuple[str, ...], ...] = (
     ("kvlab.attention", "kvlab.mla"),
     ("kvlab.model",),
     ("kvlab.bench", "kvlab.breakdown", "kvlab.engine", "kvlab.quality", "kvlab.session", "kvlab.hf", "kvlab.pretrained",
-     "kvlab.train"),
+     "kvlab.speculative", "kvlab.train"),
     ("kvlab.course", "kvlab.course.*", "kvlab.checks"),
     ("kvlab.cli",),
 )  # fmt: skip

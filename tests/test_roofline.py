@@ -11,15 +11,18 @@ from kvlab import MLAConfig, ModelConfig, get_gpu, get_model
 from kvlab.roofline import (
     active_params,
     batch_for_tpot,
+    best_speculation_k,
     bytes_per_step,
     crossover_context,
     decode_flops,
     expected_experts,
+    expected_tokens_per_step,
     kv_bytes_per_step,
     kv_bytes_per_token,
     mla_attention_flops,
     param_count,
     predict,
+    predict_speculative,
     predict_tpot_ms,
     prefill_flops,
     ridge_intensity,
@@ -441,3 +444,36 @@ def test_decode_and_prefill_flops_by_hand():
     assert crossover_context(w, kv, batch=4) == pytest.approx(w / (4 * kv), rel=1e-12)
     batch = batch_for_tpot(120, w, kv, 30_000, 3350)
     assert predict_tpot_ms(w + batch * 30_000 * kv, 3350) == pytest.approx(120, rel=1e-9)
+
+
+@pytest.mark.parametrize("acceptance", [0.0, 0.3, 0.75, 1.0])
+@pytest.mark.parametrize("k", [0, 1, 4, 9])
+def test_expected_tokens_per_step_sums_the_acceptance_chain(acceptance: float, k: int) -> None:
+    # Draft i is reached only if drafts 1..i-1 were accepted: P(emit >= i + 1 tokens) = acceptance**i.
+    assert expected_tokens_per_step(acceptance, k) == pytest.approx(sum(acceptance**i for i in range(k + 1)))
+
+
+def test_speculative_prediction_by_hand() -> None:
+    p = predict_speculative(1000, 4, 0.5, 2.0, draft_bytes_per_step=100)
+    assert p.tokens_per_step == 1.9375 and p.bytes_per_round == 1400
+    assert p.bytes_per_token == 1400 / 1.9375 and p.speedup == 1000 / (1400 / 1.9375)
+    assert p.tpot_ms == pytest.approx(1400 / 1.9375 / 2e9 * 1e3)
+    # A drafter that reads nothing never hurts; a perfect one at no cost makes k as large as allowed best.
+    assert best_speculation_k(1000, 0.0, 100) == 0 and best_speculation_k(1000, 1.0, 0, k_max=12) == 12
+    costs = [predict_speculative(1000, k, 0.8, 1.0, 50).bytes_per_token for k in range(17)]
+    assert best_speculation_k(1000, 0.8, 50) == costs.index(min(costs))
+
+
+@pytest.mark.parametrize(
+    ("call", "field"),
+    [
+        (lambda: expected_tokens_per_step(1.2, 3), "acceptance"),
+        (lambda: expected_tokens_per_step(True, 3), "acceptance"),
+        (lambda: expected_tokens_per_step(0.5, -1), "k"),
+        (lambda: predict_speculative(0, 3, 0.5, 1.0), "target_bytes_per_step"),
+        (lambda: predict_speculative(10, 3, 0.5, 1.0, -1), "draft_bytes_per_step"),
+    ],
+)
+def test_speculative_bad_input_names_the_field(call, field: str) -> None:
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        call()

@@ -16,6 +16,11 @@ attention reads them (the layout of the bytes decides how fast a step can stream
 The attention module (``kvlab.attention``) owns the model's rules: it scales and groups the queries, and tells
 the cache the layer's window. A cache stores, evicts, encodes and reads. Every cache reports the quantities the
 course's formula is about: ``bytes_stored()``, ``bytes_read_per_step()`` and ``bytes_written_per_step()``.
+
+Speculative decoding (``kvlab.speculative``) stores K/V for drafted tokens and then keeps only the accepted ones:
+``truncate(length)`` forgets the rest. A cache that keeps every token can; one that evicts as it stores (a window,
+heavy hitters) cannot, because the tokens a rollback would bring back are gone. ``max_rollback`` says how far a
+cache can go back now, and ``truncate`` refuses anything further with ``CacheRollbackError``, changing nothing.
 """
 
 from __future__ import annotations
@@ -41,6 +46,16 @@ Rotate = Callable[[torch.Tensor], torch.Tensor]  # queries turned by RoPE throug
 
 class CacheCapacityError(RuntimeError):
     """Raised before any write when a step would need more slots than the cache has."""
+
+
+class CacheRollbackError(ValueError):
+    """Raised, before any change, when a cache cannot forget as many of its newest tokens as asked."""
+
+
+# What a speculative decoder may use, for the error a cache that cannot roll back raises.
+ROLLBACK_CACHES = (
+    "ContiguousKVCache, LatentKVCache, PagedKVCache, SharedPrefixKVCache, or QuantizedKVCache(rollback=k + 1)"
+)
 
 
 @dataclass(frozen=True)
@@ -126,6 +141,8 @@ class KVCache(ABC):
     """
 
     _layer_token_bytes: float
+    # Why a cache cannot roll back, for its CacheRollbackError; a cache that can sets ``max_rollback`` instead.
+    _no_rollback = "it keeps no record of the tokens it would have to restore"
 
     def __init__(self, shape: CacheShape, batch_size: int = 1, capacity: int | None = None) -> None:
         if not isinstance(shape, CacheShape):
@@ -188,6 +205,41 @@ class KVCache(ABC):
     @abstractmethod
     def reset(self) -> None:
         """Forget every token; keep the allocation."""
+
+    @property
+    def max_rollback(self) -> int:
+        """How many of its newest tokens the cache can forget now (``truncate``); 0 for a cache that cannot."""
+        return 0
+
+    def can_roll_back(self, n_tokens: int) -> bool:
+        """Whether the cache can always forget up to ``n_tokens`` it stored last, however long it grows."""
+        return False
+
+    def truncate(self, length: int) -> None:
+        """Forget every token from position ``length`` on, in every sequence, as if it had never been stored.
+
+        Raises ``CacheRollbackError`` (changing nothing) unless ``self.length - self.max_rollback <= length <=
+        self.length``.
+        """
+        require_int("length", length, 0)
+        if length == self.length:
+            return
+        if self.max_rollback == 0 and not self.can_roll_back(1):
+            raise CacheRollbackError(
+                f"{type(self).__name__} cannot roll back: {self._no_rollback}. Caches that can: {ROLLBACK_CACHES}"
+            )
+        if length > self.length:
+            raise CacheRollbackError(f"length: {length}; allowed: at most the {self.length} tokens stored")
+        if length < self.length - self.max_rollback:
+            raise CacheRollbackError(
+                f"length: {length}; allowed: {self.length - self.max_rollback} .. {self.length} ({type(self).__name__}"
+                f" can forget at most its newest {self.max_rollback} tokens now)"
+            )
+        self._forget(length)
+
+    def _forget(self, length: int) -> None:
+        """Drop positions ``length ..``; called by ``truncate`` only within ``max_rollback``."""
+        raise NotImplementedError(f"{type(self).__name__} sets max_rollback but does not define _forget")
 
     def fast_fill(self, n_tokens: int, generator: torch.Generator | None = None, chunk: int = 2048) -> None:
         """Append ``n_tokens`` of random K/V to every sequence without running the model.
@@ -287,6 +339,18 @@ class SlabKVCache(KVCache):
     def reset(self) -> None:
         self._length = 0
         self._start = 0
+
+    @property
+    def max_rollback(self) -> int:
+        return self._length
+
+    def can_roll_back(self, n_tokens: int) -> bool:
+        return True
+
+    def _forget(self, length: int) -> None:
+        # Slots past ``length`` keep their bytes until the next tokens overwrite them; nothing reads them before.
+        self._length = length
+        self._start = min(self._start, length)
 
 
 CacheFactory = Callable[["Decoder", int, int], KVCache]

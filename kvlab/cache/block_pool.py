@@ -162,11 +162,38 @@ class BlockPool:
         seq = self._seq(seq_id)
         del self._seqs[seq_id]
         for block in reversed(seq.blocks):
-            self._ref[block] -= 1
-            if self._ref[block] == 0:
-                self._free[block] = None
-                if block not in self._entries:  # worthless once free: reuse it before any cached block
-                    self._free.move_to_end(block, last=False)
+            self._release(block)
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Shorten a sequence to its first ``length`` tokens (speculative decoding's rollback).
+
+        Blocks past the new end go back to the pool. A registered block that the sequence will now write into
+        again stays registered only while others hold it (the next write copies it first); held by this sequence
+        alone, it is unregistered, since its slots are about to change. The chain (hash, serial and the known ids
+        of the new last block) is rebuilt from the kept blocks' registrations, so later blocks can still be cached.
+        """
+        seq = self._seq(seq_id)
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= seq.length:
+            raise ValueError(f"length: {length!r}; allowed: an integer in [0, {seq.length}]")
+        keep = math.ceil(length / self.block_size)
+        for block in reversed(seq.blocks[keep:]):
+            self._release(block)
+        del seq.blocks[keep:]
+        n_full, partial = divmod(length, self.block_size)
+        tail_block = seq.blocks[n_full] if partial else None
+        if partial and seq.length < (n_full + 1) * self.block_size:  # the same block, never filled or sealed
+            tail = None if seq.tail is None else seq.tail[:partial]
+        elif tail_block in self._entries:  # a full, registered block: its registration knows its ids
+            tail = list(self._entries[tail_block].tokens[:partial])
+        else:
+            tail = [] if not partial else None
+        if tail_block in self._entries and self._ref[tail_block] == 1:
+            self._unregister(tail_block)
+        parent = self._entries.get(seq.blocks[n_full - 1]) if n_full else None
+        if n_full and parent is None:
+            tail = None  # the kept prefix has an unregistered full block: no later block can join the chain
+        seq.length, seq.tail = length, tail
+        seq.last_hash, seq.last_serial = (parent.key, parent.serial) if parent else (None, None)
 
     def append(
         self,
@@ -239,6 +266,13 @@ class BlockPool:
                 ref[block] -= 1
                 n_free += ref[block] == 0
         return victims
+
+    def _release(self, block: int) -> None:
+        self._ref[block] -= 1
+        if self._ref[block] == 0:
+            self._free[block] = None
+            if block not in self._entries:  # worthless once free: reuse it before any cached block
+                self._free.move_to_end(block, last=False)
 
     def _take(self) -> int:
         """A free block with refcount 1; a cached one is evicted (the front of the free list is its LRU end)."""

@@ -227,6 +227,21 @@ class PagedKVCache(KVCache):
         self._seq_ids = [self._add([], 0)[0] for _ in self._seq_ids]
         self._refresh()
 
+    @property
+    def max_rollback(self) -> int:
+        return self._length
+
+    def can_roll_back(self, n_tokens: int) -> bool:
+        return True
+
+    def _forget(self, length: int) -> None:
+        """Shorten every sequence of the batch longer than ``length``; their blocks past it go back to the pool."""
+        for seq_id in self._seq_ids:
+            if self.pool.length(seq_id) > length:
+                self.pool.truncate(seq_id, length)
+                self._pending[seq_id] = []  # ids declared for positions that now hold other tokens
+        self._refresh()
+
     # -- a step -------------------------------------------------------------------------------------------------
     def reserve(self, n_new: int) -> int | torch.Tensor:
         """Claim ``n_new`` slots per sequence; return the first one's position: an int for a batch at one length,

@@ -40,6 +40,8 @@ class FixedSlotsKVCache(KVCache):
     ``group_size`` channels per scale.
     """
 
+    _no_rollback = "it reuses an evicted token's slot for a new one, so the tokens a rollback would bring back are gone"
+
     def __init__(
         self,
         shape: CacheShape,

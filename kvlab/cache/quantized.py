@@ -12,6 +12,11 @@ Layout, per layer (``B`` batch, ``Hkv`` KV heads, ``S`` tokens stored, ``D`` hea
   tokens once the cache is longer than ``R``, and a residual of at least ``capacity`` tokens never quantizes
   anything.
 
+Rolling back (speculative decoding, ``truncate``) must bring back the state the cache had at the shorter length:
+the groups quantized since then return to the residual, at full precision, so the ring must still hold them. With
+``rollback=m`` the ring has ``m`` more slots, and the cache can forget its newest tokens back to ``m`` below the
+longest it has been since the last reset. Without (``m = 0``) it refuses to roll back.
+
 KIVI is a codec *layout* tied to append-only storage: its key groups span ``G`` consecutive tokens, so a token
 cannot be encoded alone, nor overwritten or evicted without re-encoding its group. That is why it is a storage of
 its own rather than a codec of ``kvlab.cache.stores`` (whose encoded stores encode each slot alone, so any storage
@@ -56,8 +61,13 @@ class QuantizedKVCache(SlabKVCache):
     ``codec``: a name from ``kvlab.cache.codecs.CODECS`` (or a ``Codec``). ``group_size``: G, tokens per key
     group (per-channel keys) and channels per value group. ``residual``: R, the newest tokens kept as they arrive
     (the shape's dtype). ``chunk_size``: tokens per chunk the chunked path dequantizes at a time (a multiple of G,
-    so a chunk owns whole key groups).
+    so a chunk owns whole key groups). ``rollback``: how many newest tokens ``truncate`` may forget (module
+    docstring); it costs that many more full-precision ring slots.
     """
+
+    _no_rollback = (
+        "the groups quantized since that length have left its full-precision ring; build it with rollback=k + 1"
+    )
 
     def __init__(
         self,
@@ -71,12 +81,14 @@ class QuantizedKVCache(SlabKVCache):
         attention: str = "chunked",
         chunk_size: int = 512,
         key_quant: str = "per-channel",
+        rollback: int = 0,
     ) -> None:
         super().__init__(shape, batch_size, capacity)
         refuse_latent(shape, "QuantizedKVCache")
         require_int("group_size", group_size)
         require_int("chunk_size", chunk_size)
         require_int("residual", residual, 0)
+        require_int("rollback", rollback, 0)
         if chunk_size % group_size:
             raise ValueError(
                 f"chunk_size: {chunk_size} is not allowed; allowed: a positive multiple of group_size={group_size}"
@@ -92,14 +104,14 @@ class QuantizedKVCache(SlabKVCache):
                 f"{key_quant!r}); allowed: {', '.join(ATTENTION_PATHS)}, with 'int-dot' only for those two"
             )
         self.group_size, self.residual, self.chunk_size = group_size, residual, chunk_size
-        self.attention, self.key_quant = attention, key_quant
+        self.attention, self.key_quant, self.rollback = attention, key_quant, rollback
         self._key_dim = _TOKEN_DIM if key_quant == "per-channel" else _CHANNEL_DIM
 
         capacity, device, n_layers = self.capacity, self.device, shape.n_layers
         store = (batch_size, shape.n_kv_heads, self._n_quantized(capacity), shape.head_dim)
         self._k = [self.codec.empty(store, self._key_dim, group_size, device) for _ in range(n_layers)]
         self._v = [self.codec.empty(store, _CHANNEL_DIM, group_size, device) for _ in range(n_layers)]
-        self._ring_slots = min(capacity, residual + group_size - 1)
+        self._ring_slots = min(capacity, residual + group_size - 1 + rollback)
         ring = (n_layers, batch_size, shape.n_kv_heads, self._ring_slots, shape.head_dim)
         self._ring_k = list(torch.zeros(ring, dtype=self.torch_dtype, device=device).unbind(0))
         self._ring_v = list(torch.zeros(ring, dtype=self.torch_dtype, device=device).unbind(0))
@@ -114,6 +126,7 @@ class QuantizedKVCache(SlabKVCache):
     def reserve(self, n_new: int) -> int:
         super().reserve(n_new)
         self._quant_start, self._quant = self._quant, self._n_quantized(self._length)
+        self._longest = max(self._longest, self._length)
         return self._start
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -129,7 +142,8 @@ class QuantizedKVCache(SlabKVCache):
                 store.narrow(_TOKEN_DIM, q0, q1 - q0).copy_(
                     self.codec.encode(leaving, store.group_dim, store.group_size)
                 )
-        first = max(q1, s0)
+        # Every new token the ring can hold goes in, quantized or not: a rollback may return it to the residual.
+        first = max(s0, self._length - self._ring_slots)
         for ring, x in zip(rings, new, strict=True):
             for pos, slot, n in self._ring_spans(first, self._length):
                 ring[:, :, slot : slot + n] = x[:, :, pos - s0 : pos - s0 + n]
@@ -159,6 +173,21 @@ class QuantizedKVCache(SlabKVCache):
     def reset(self) -> None:
         super().reset()
         self._quant = self._quant_start = 0
+        self._longest = 0  # the most tokens stored since the reset: how far back the ring still reaches
+
+    @property
+    def max_rollback(self) -> int:
+        if self._longest <= self._ring_slots:  # the ring never wrapped: it holds every token at full precision
+            return self._length
+        return max(0, min(self._length, self._length - self._longest + self.rollback))
+
+    def can_roll_back(self, n_tokens: int) -> bool:
+        return n_tokens <= self.rollback or self._ring_slots >= self.capacity
+
+    def _forget(self, length: int) -> None:
+        super()._forget(length)
+        self._quant = self._n_quantized(length)
+        self._quant_start = min(self._quant_start, self._quant)
 
     # -- bytes ----------------------------------------------------------------------------------------------------
     def bytes_stored(self) -> int:

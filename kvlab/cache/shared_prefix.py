@@ -109,6 +109,17 @@ class SharedPrefixKVCache(KVCache):
             torch.cat((prefix_v.expand(b, -1, -1, -1), suffix_v), dim=2),
         )
 
+    @property
+    def max_rollback(self) -> int:
+        """The branch's own tokens once branched (the prefix is shared, frozen); the prefix's before."""
+        return self._active.max_rollback
+
+    def can_roll_back(self, n_tokens: int) -> bool:
+        return True
+
+    def _forget(self, length: int) -> None:
+        self._active.truncate(length - (0 if self.suffix is None else self.prefix.length))
+
     def reset(self) -> None:
         self.prefix.reset()
         self.suffix = None
