@@ -53,17 +53,19 @@ def main(argv: list[str] | None = None) -> None:
     draft_bytes = 0 if isinstance(draft, str) else predict(draft.cfg, context, 1.0).bytes_per_step
     print(f"machine: {machine_info()['cpu']}, {args.threads} thread(s); target {args.target}, draft {args.draft}")
     print(f"byte model at {context} tokens: target {target_bytes:,} B per step, draft {draft_bytes:,} B per step")
-    print(f"{'k':>2}  {'accept':>6}  {'tok/step':>8}  {'predicted':>9}  {'measured':>8}")
+    print(
+        f"{'k':>2}  {'accepted':>8}  {'a/draft':>7}  {'tok/step':>8}  {'model':>5}  {'predicted':>9}  {'measured':>8}"
+    )
 
     plain = [target.generate(p, args.new_tokens) for p in prompts]
     for k in (int(x) for x in args.ks.split(",")):
         results = [speculative_generate(target, p, args.new_tokens, draft=draft, k=k) for p in prompts]
         for got, want in zip(results, plain, strict=True):
             assert torch.equal(got.tokens, want), "greedy speculative output must equal plain decoding"
-        proposed = sum(r.proposed for r in results)
-        acceptance = sum(r.accepted for r in results) / proposed
+        accepted, proposed = sum(r.accepted for r in results), sum(r.proposed for r in results)
+        per_draft = accepted / (accepted + sum(r.rejections for r in results))  # acceptance_per_draft, pooled
         tokens_per_step = sum(len(r.tokens) for r in results) / sum(r.verify_steps for r in results)
-        predicted = predict_speculative(target_bytes, k, acceptance, 1.0, draft_bytes).speedup
+        model = predict_speculative(target_bytes, k, per_draft, 1.0, draft_bytes)
         times = time_interleaved(
             {
                 "plain": lambda: [target.generate(p, args.new_tokens) for p in prompts],
@@ -74,11 +76,16 @@ def main(argv: list[str] | None = None) -> None:
             repeats=args.repeats,
         )
         measured = statistics.median(times["plain"]) / statistics.median(times["speculative"])
-        print(f"{k:>2}  {acceptance:>6.2f}  {tokens_per_step:>8.2f}  {predicted:>8.2f}x  {measured:>7.2f}x")
+        print(
+            f"{k:>2}  {accepted / proposed:>8.2f}  {per_draft:>7.2f}  {tokens_per_step:>8.2f}  "
+            f"{model.tokens_per_step:>5.2f}  {model.speedup:>8.2f}x  {measured:>7.2f}x"
+        )
     print(
-        "predicted: bytes per token of plain decoding over speculative, at the measured acceptance, as if every step "
-        "cost its bytes alone. measured: wall time, which also counts each step's fixed costs (Python, dispatch) "
-        "and the verify step's extra positions."
+        "accepted: drafts kept / drafts offered. a/draft: the chance a draft is kept once the ones before it were "
+        "(accepted / (accepted + rejections)), the a of (1 - a^(k+1)) / (1 - a), whose value is the model column "
+        "(tok/step is measured). predicted: bytes per token of plain decoding over speculative at that a, as if every "
+        "step cost its bytes alone. measured: wall time, which also counts each step's fixed costs (Python, "
+        "dispatch) and the verify step's extra positions."
     )
 
 

@@ -50,7 +50,7 @@ class SpeculativeResult:
     ``verify_steps``: target forward passes after the prompt (each streams the weights once). ``draft_steps``:
     drafter forward passes (0 for prompt lookup). ``verify_kv_bytes``: K/V bytes the verify steps read, each
     counted once at the length it attended over (what ``bytes_read_per_step`` reports for that length).
-    ``accepted_per_step``: how many drafts each verify step kept, in order.
+    ``proposed_per_step``/``accepted_per_step``: how many drafts each verify step was offered and kept, in order.
     """
 
     tokens: torch.Tensor
@@ -59,12 +59,28 @@ class SpeculativeResult:
     verify_steps: int
     draft_steps: int
     verify_kv_bytes: int
+    proposed_per_step: tuple[int, ...] = field(repr=False)
     accepted_per_step: tuple[int, ...] = field(repr=False)
 
     @property
     def acceptance_rate(self) -> float:
         """Share of drafted tokens the target kept (``nan`` when nothing was drafted)."""
         return self.accepted / self.proposed if self.proposed else float("nan")
+
+    @property
+    def acceptance_per_draft(self) -> float:
+        """The ``a`` of ``kvlab.roofline.expected_tokens_per_step``: the chance a draft is accepted once the ones
+        before it were. Each rejection ends a step's run of accepted drafts, so ``accepted / (accepted +
+        rejections)`` estimates it. It exceeds ``acceptance_rate`` when a step's later drafts go unjudged after a
+        rejection, and real drafts are easier in some stretches than others, which the model's one ``a`` ignores.
+        """
+        judged = self.accepted + self.rejections
+        return self.accepted / judged if judged else float("nan")
+
+    @property
+    def rejections(self) -> int:
+        """Verify steps that rejected a draft (the others kept every draft they were offered)."""
+        return sum(a < p for a, p in zip(self.accepted_per_step, self.proposed_per_step, strict=True))
 
     @property
     def tokens_per_step(self) -> float:
@@ -106,7 +122,8 @@ def speculative_generate(
         target.prefill(prompt[None, :-1].to(target.device), cache)
     context, pending = prompt[:-1].tolist(), int(prompt[-1])
     out: list[int] = []
-    proposed = verify_kv_bytes = 0
+    verify_kv_bytes = 0
+    proposed_per_step: list[int] = []
     accepted_per_step: list[int] = []
     while len(out) < max_new_tokens:
         n_draft = min(k, max_new_tokens - len(out) - 1)  # a step yields up to n_draft + 1 tokens
@@ -115,7 +132,7 @@ def speculative_generate(
         logits = target.prefill(step, cache)[0].float()  # [1 + len(drafts), V]: p for each position
         verify_kv_bytes += cache.bytes_read_per_step(cache.length)
         n_ok, extra = _accept(logits, drafts, q, temperature, gen)
-        proposed += len(drafts)
+        proposed_per_step.append(len(drafts))
         accepted_per_step.append(n_ok)
         cache.truncate(cache.length - (len(drafts) - n_ok))
         drafter.keep(len(context) + 1 + n_ok)
@@ -124,11 +141,12 @@ def speculative_generate(
         pending = extra
     return SpeculativeResult(
         tokens=torch.tensor(out, dtype=torch.long),
-        proposed=proposed,
+        proposed=sum(proposed_per_step),
         accepted=sum(accepted_per_step),
         verify_steps=len(accepted_per_step),
         draft_steps=drafter.steps,
         verify_kv_bytes=verify_kv_bytes,
+        proposed_per_step=tuple(proposed_per_step),
         accepted_per_step=tuple(accepted_per_step),
     )
 

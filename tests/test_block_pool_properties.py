@@ -1,4 +1,5 @@
-"""Random interleavings of the block pool's operations (truncation included), checked against a model of what each block must hold.
+"""Random interleavings of the block pool's operations (truncation included), checked against a model of what each
+block must hold.
 
 The machine keeps a fake K/V store next to the pool: the value of a slot is a function of the whole token history
 up to that position (real K/V depend on every earlier token). It applies the pool's copy-on-write copies and

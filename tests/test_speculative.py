@@ -73,7 +73,11 @@ def test_greedy_output_is_the_targets_own(target: Decoder, draft_kind: str, k: i
     assert greedy_margin(target, prompt, n) > MARGIN
     got = speculative_generate(target, prompt, n, draft=draft[draft_kind], k=k)
     assert torch.equal(got.tokens, target.generate(prompt, n))
-    assert got.accepted == sum(got.accepted_per_step) <= got.proposed
+    assert got.accepted == sum(got.accepted_per_step) <= got.proposed == sum(got.proposed_per_step)
+    rejected = sum(a < p for a, p in zip(got.accepted_per_step, got.proposed_per_step, strict=True))
+    assert got.rejections == rejected
+    if got.accepted + rejected:
+        assert got.acceptance_per_draft == got.accepted / (got.accepted + rejected) >= got.acceptance_rate
     # Each verify step yields its accepted drafts plus one token of the target's.
     assert len(got.tokens) == got.verify_steps + got.accepted
     if draft_kind == "the target itself" and k:

@@ -42,7 +42,7 @@ TINY = TrainConfig(
     threads=1,
 )
 SHIPPED = "kvlab-tiny-stdlib"
-CHECKPOINTS = ["kvlab-tiny-stdlib", "kvlab-tiny-stdlib-bos"]
+CHECKPOINTS = list_pretrained()
 
 
 @pytest.fixture(scope="module")
