@@ -30,7 +30,7 @@ from kvlab.cache.heavy_hitters import HeavyHitterKVCache
 from kvlab.model import Decoder
 from kvlab.pretrained import heldout_tokens
 from kvlab.tokenizer import ASK, N_PASSKEYS, PASSKEY_BASE, VOCAB_SIZE
-from kvlab.validation import require_int
+from kvlab.validation import require_fraction, require_int
 
 # The needle is one passkey token planted in the text, the query is ``<|ask|>``, and the answer is that same
 # passkey: recall succeeds only if the passkey's key and value survive in the cache until the question comes.
@@ -141,7 +141,7 @@ def needle_prompts(
     passkey's position.
     """
     require_int("context", context, 3 + (bos is not None))
-    _check_depth("depth", depth)
+    require_fraction("depth", depth)
     require_int("n_trials", n_trials, 1)
     filler = _token_vector(filler, "filler")
     n_filler = context - 2 - (bos is not None)
@@ -190,7 +190,7 @@ def needle_recall(
     for c in contexts:
         require_int("contexts", c, max(3 + (bos is not None), prefill_tokens + 1))
     for d in depths:
-        _check_depth("depths", d)
+        require_fraction("depths", d)
     filler = heldout_tokens() if filler is None else filler
     cells = [(c, d) for c in contexts for d in depths]
     results = []
@@ -332,11 +332,6 @@ def _token_vector(tokens: torch.Tensor | Sequence[int], name: str) -> torch.Tens
     if len(tokens) == 0:
         raise ValueError(f"{name}: empty; allowed: at least one token")
     return tokens.long()
-
-
-def _check_depth(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise ValueError(f"{name}: {value!r} is not allowed; allowed: a number in [0, 1]")
 
 
 def _check_factory(make_cache: object) -> None:

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from kvlab.config import WEIGHT_COMPONENTS, ModelConfig
 from kvlab.dtypes import BYTES_PER_ELEMENT, GROUP_STAT_BYTES, KV_DTYPES, KV_GROUP_STATS, canonical_dtype
 from kvlab.published import bandwidth_fraction_range, published_decode
-from kvlab.validation import require_int
+from kvlab.validation import require_fraction, require_int
 
 INPUT_EMBEDDING_CONVENTIONS = ("table", "rows")
 # A quantized int weight group stores one 16-bit scale and one 16-bit zero point beside its payload.
@@ -507,7 +507,7 @@ def expected_tokens_per_step(acceptance: float, k: int) -> float:
     """Tokens one speculative verify step yields on average, when each of ``k`` drafts is accepted with probability
     ``acceptance`` given the ones before it were: ``1 + a + a^2 + ... + a^k = (1 - a^(k+1)) / (1 - a)`` (the
     accepted drafts, plus the target's own token after them). ``k + 1`` at ``a = 1``; 1 at ``k = 0``."""
-    _check_acceptance(acceptance)
+    require_fraction("acceptance", acceptance)
     require_int("k", k, 0)
     return float(k + 1) if acceptance == 1 else (1 - acceptance ** (k + 1)) / (1 - acceptance)
 
@@ -567,11 +567,6 @@ def best_speculation_k(
         for k in range(k_max + 1)
     ]
     return cost.index(min(cost))
-
-
-def _check_acceptance(acceptance: float) -> None:
-    if isinstance(acceptance, bool) or not isinstance(acceptance, (int, float)) or not 0 <= acceptance <= 1:
-        raise ValueError(f"acceptance: {acceptance!r}; allowed: a probability in [0, 1]")
 
 
 @dataclass(frozen=True)

@@ -141,7 +141,9 @@ class KVCache(ABC):
     """
 
     _layer_token_bytes: float
-    # Why a cache cannot roll back, for its CacheRollbackError; a cache that can sets ``max_rollback`` instead.
+    # A cache that keeps every token it stored can forget the newest (``_forget``) and sets ``_rolls_back``; one
+    # that cannot says why, for its CacheRollbackError.
+    _rolls_back = False
     _no_rollback = "it keeps no record of the tokens it would have to restore"
 
     def __init__(self, shape: CacheShape, batch_size: int = 1, capacity: int | None = None) -> None:
@@ -209,11 +211,11 @@ class KVCache(ABC):
     @property
     def max_rollback(self) -> int:
         """How many of its newest tokens the cache can forget now (``truncate``); 0 for a cache that cannot."""
-        return 0
+        return self.length if self._rolls_back else 0
 
     def can_roll_back(self, n_tokens: int) -> bool:
         """Whether the cache can always forget up to ``n_tokens`` it stored last, however long it grows."""
-        return False
+        return self._rolls_back
 
     def truncate(self, length: int) -> None:
         """Forget every token from position ``length`` on, in every sequence, as if it had never been stored.
@@ -336,16 +338,11 @@ class SlabKVCache(KVCache):
         """This step's slots in a ``[B, Hkv, slots]`` grid."""
         return slice(None), slice(None), slice(self._start, self._length)
 
+    _rolls_back = True
+
     def reset(self) -> None:
         self._length = 0
         self._start = 0
-
-    @property
-    def max_rollback(self) -> int:
-        return self._length
-
-    def can_roll_back(self, n_tokens: int) -> bool:
-        return True
 
     def _forget(self, length: int) -> None:
         # Slots past ``length`` keep their bytes until the next tokens overwrite them; nothing reads them before.

@@ -80,6 +80,8 @@ class PagedKVCache(KVCache):
     sequence shares once.
     """
 
+    _rolls_back = True
+
     def __init__(
         self,
         shape: CacheShape,
@@ -226,13 +228,6 @@ class PagedKVCache(KVCache):
             self._drop(seq_id)
         self._seq_ids = [self._add([], 0)[0] for _ in self._seq_ids]
         self._refresh()
-
-    @property
-    def max_rollback(self) -> int:
-        return self._length
-
-    def can_roll_back(self, n_tokens: int) -> bool:
-        return True
 
     def _forget(self, length: int) -> None:
         """Shorten every sequence of the batch longer than ``length``; their blocks past it go back to the pool."""

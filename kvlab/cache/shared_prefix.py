@@ -31,6 +31,8 @@ class SharedPrefixKVCache(KVCache):
     until ``branch()``. ``codec`` and ``group_size`` are ``ContiguousKVCache``'s, for both slabs.
     """
 
+    _rolls_back = True
+
     def __init__(
         self,
         shape: CacheShape,
@@ -113,9 +115,6 @@ class SharedPrefixKVCache(KVCache):
     def max_rollback(self) -> int:
         """The branch's own tokens once branched (the prefix is shared, frozen); the prefix's before."""
         return self._active.max_rollback
-
-    def can_roll_back(self, n_tokens: int) -> bool:
-        return True
 
     def _forget(self, length: int) -> None:
         self._active.truncate(length - (0 if self.suffix is None else self.prefix.length))
