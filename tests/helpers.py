@@ -4,12 +4,24 @@ holds on any CPU, and the two ways a course checker is called (it passes silentl
 import pytest
 import torch
 
-from kvlab import ModelConfig
+from kvlab import Decoder, ModelConfig
 
 
 def tiny_config(**overrides) -> ModelConfig:
     base = dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=96, vocab_size=101, max_seq_len=128)
     return ModelConfig(**(base | overrides))
+
+
+def sharp_random_model(vocab_size: int, seed: int = 0, **overrides) -> Decoder:
+    """A small random model whose predictions depend strongly on context: every weight but the norms 10x the usual
+    init, so greedy picks are far apart and a cache that loses context changes them."""
+    base = dict(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=vocab_size, max_seq_len=256)
+    m = Decoder(ModelConfig(**(base | overrides)), device="cpu", seed=seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.mul_(10)
+    return m
 
 
 def assert_greedy_picks(tokens: torch.Tensor, logits: torch.Tensor, rtol: float, atol: float) -> None:

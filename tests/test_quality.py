@@ -22,7 +22,7 @@ from kvlab.quality import (
 )
 from kvlab.tokenizer import ASK, EOT, VOCAB_SIZE, is_passkey
 
-from .helpers import assert_greedy_picks
+from .helpers import assert_greedy_picks, sharp_random_model
 
 # Streamed (a prefill, then one decode step per token) vs one forward pass: the same sums in another order. Logits
 # reach ~4 for the 10x random model and ~14 for the shipped one, and rounding leaves a few ulps of that.
@@ -31,14 +31,7 @@ STREAM_TOL = dict(rtol=1e-5, atol=1e-5)
 
 @pytest.fixture(scope="module")
 def model() -> Decoder:
-    """A tiny random model whose predictions depend strongly on context (weights 10x the usual init)."""
-    cfg = ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=VOCAB_SIZE, max_seq_len=256)
-    m = Decoder(cfg, device="cpu", seed=0)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if not name.endswith("norm.weight"):
-                p.mul_(10)
-    return m
+    return sharp_random_model(VOCAB_SIZE)
 
 
 @pytest.fixture(scope="module")

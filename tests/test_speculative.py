@@ -16,9 +16,11 @@ from kvlab.cache.paged import PagedKVCache
 from kvlab.cache.quantized import QuantizedKVCache
 from kvlab.cache.shared_prefix import SharedPrefixKVCache
 from kvlab.cache.window import WindowKVCache
-from kvlab.config import MLAConfig, ModelConfig
+from kvlab.config import MLAConfig
 from kvlab.model import Decoder
 from kvlab.speculative import prompt_lookup, speculative_generate
+
+from .helpers import sharp_random_model
 
 VOCAB = 64
 # Greedy equality compares the verify step's multi-token kernel with generate's decode kernel: the same math, sums
@@ -28,16 +30,7 @@ MARGIN = 1e-3
 
 
 def model(seed: int, n_layers: int = 2, vocab: int = VOCAB, **overrides) -> Decoder:
-    """A small random model whose predictions depend strongly on context (weights 10x the usual init)."""
-    cfg = ModelConfig(
-        n_layers=n_layers, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=vocab, max_seq_len=256
-    ).replace(**overrides)
-    m = Decoder(cfg, device="cpu", seed=seed)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if not name.endswith("norm.weight"):
-                p.mul_(10)
-    return m
+    return sharp_random_model(vocab, seed, n_layers=n_layers, **overrides)
 
 
 @pytest.fixture(scope="module")
