@@ -1,4 +1,5 @@
-"""Published decode measurements, and the share of nominal bandwidth real systems reach.
+"""Published decode measurements, the share of nominal bandwidth real systems reach, and published speculative
+decoding results.
 
 ``kvlab/data/published_decode.csv`` holds one row per published measurement (gpt-fast, torchao, vLLM, llama.cpp),
 each with its source: the model, its weight format, the weight bytes a step reads, the KV shape, the device and its
@@ -25,6 +26,7 @@ from functools import cache
 from importlib import resources
 
 CSV_NAME = "published_decode.csv"
+SPECULATIVE_CSV_NAME = "published_speculative.csv"
 
 
 @dataclass(frozen=True)
@@ -88,3 +90,51 @@ def bandwidth_fraction_range() -> tuple[float, float]:
     """
     fractions = [row.fraction for row in published_decode()]
     return min(fractions), max(fractions)
+
+
+@dataclass(frozen=True)
+class PublishedSpeculative:
+    """One published speculative-decoding result: a target, its draft, and what the drafts achieved.
+
+    ``acceptance_rate``: accepted / drafted tokens, as serving systems report it (vLLM's "draft acceptance rate",
+    llama.cpp's "accept"). It is not the per-draft ``a`` of ``kvlab.roofline.expected_tokens_per_step``: drafts
+    after a rejection are never judged, so the rate falls as ``k`` grows at the same ``a``
+    (``kvlab.roofline.acceptance_from_rate`` converts). ``tokens_per_step`` (tokens per verify step) and
+    ``speedup`` (over the target alone, same system) are ``None`` where the source gives none.
+    """
+
+    source: str
+    target: str
+    draft: str
+    hardware: str
+    task: str
+    temperature: str
+    batch: int
+    k: int
+    acceptance_rate: float
+    tokens_per_step: float | None
+    speedup: float | None
+    caveats: str
+
+
+@cache
+def published_speculative() -> tuple[PublishedSpeculative, ...]:
+    """Every row of ``kvlab/data/published_speculative.csv``."""
+    text = resources.files("kvlab.data").joinpath(SPECULATIVE_CSV_NAME).read_text()
+    return tuple(
+        PublishedSpeculative(
+            source=r["source"],
+            target=r["target"],
+            draft=r["draft"],
+            hardware=r["hardware"],
+            task=r["task"],
+            temperature=r["temperature"],
+            batch=int(r["batch"]),
+            k=int(r["k"]),
+            acceptance_rate=float(r["acceptance_rate"]),
+            tokens_per_step=float(r["tokens_per_step"]) if r["tokens_per_step"] else None,
+            speedup=float(r["speedup"]) if r["speedup"] else None,
+            caveats=r["caveats"],
+        )
+        for r in csv.DictReader(io.StringIO(text))
+    )

@@ -512,6 +512,23 @@ def expected_tokens_per_step(acceptance: float, k: int) -> float:
     return float(k + 1) if acceptance == 1 else (1 - acceptance ** (k + 1)) / (1 - acceptance)
 
 
+def acceptance_from_rate(rate: float, k: int) -> float:
+    """The per-draft ``a`` at which ``k`` drafts per step are kept at ``rate`` = accepted / drafted.
+
+    Serving systems report ``rate``; the byte model needs ``a``. They differ because a step stops judging at its
+    first rejection: ``rate = (a + a^2 + ... + a^k) / k``, which equals ``a`` only at ``k = 1``. The rate rises
+    with ``a``, so bisection finds the one ``a`` that gives it (to 1e-15; the sum is taken term by term because the
+    closed form cancels badly near ``a = 1``).
+    """
+    require_fraction("rate", rate)
+    require_int("k", k, 1)
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid**i for i in range(1, k + 1)) / k < rate else (lo, mid)
+    return (lo + hi) / 2
+
+
 @dataclass(frozen=True)
 class SpeculativePrediction:
     """Bytes per generated token with speculative decoding, against plain decoding, from the byte model.

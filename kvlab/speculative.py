@@ -242,6 +242,37 @@ def prompt_lookup(tokens: Sequence[int], n: int, ngrams: Sequence[int] = PROMPT_
     return []
 
 
+@torch.no_grad()
+def inflate_mlp(model: Decoder, d_ff: int) -> Decoder:
+    """A copy of ``model`` whose every MLP has ``d_ff`` hidden units: its own, then units whose weights are all 0.
+
+    The extra units output ``silu(0) * 0 = 0`` through zero rows of the down projection, so the copy predicts what
+    ``model`` predicts (to float rounding: the matmuls sum over more terms, in another order) while each decode
+    step streams the bigger matrices. What it is for: a small trained model fits in a laptop CPU's last-level
+    cache, where a decode step is not bandwidth-bound; inflated past the cache, it decodes like a real target that
+    streams its weights from memory, and a draft trained beside the small model still agrees with it as often.
+    Dense MLPs only (MoE configurations are refused).
+    """
+    cfg = model.cfg
+    if cfg.moe is not None:
+        raise ValueError(f"model: {cfg.name} has MoE layers; allowed: a dense model")
+    require_int("d_ff", d_ff, cfg.d_ff)
+    big = Decoder(cfg.replace(d_ff=d_ff, name=f"{cfg.name}-ff{d_ff}"), device=model.device, seed=None)
+    own = {n: p for n, p in model.named_parameters()}
+    for name, p in big.named_parameters():
+        if name.endswith("mlp.w_gate_up"):
+            gate, up = own[name].chunk(2, dim=-1)
+            p.zero_()
+            p[:, : cfg.d_ff] = gate
+            p[:, d_ff : d_ff + cfg.d_ff] = up
+        elif name.endswith("mlp.w_down"):
+            p.zero_()
+            p[: cfg.d_ff] = own[name]
+        else:
+            p.copy_(own[name])
+    return big
+
+
 def _drafter(
     draft: Decoder | str, target: Decoder, make_cache: CacheFactory, capacity: int, k: int
 ) -> _ModelDrafter | _PromptLookup:

@@ -8,7 +8,9 @@ from importlib import resources
 import pytest
 
 from kvlab import MLAConfig, ModelConfig, get_gpu, get_model
+from kvlab.published import published_speculative
 from kvlab.roofline import (
+    acceptance_from_rate,
     active_params,
     batch_for_tpot,
     best_speculation_k,
@@ -451,6 +453,29 @@ def test_decode_and_prefill_flops_by_hand():
 def test_expected_tokens_per_step_sums_the_acceptance_chain(acceptance: float, k: int) -> None:
     # Draft i is reached only if drafts 1..i-1 were accepted: P(emit >= i + 1 tokens) = acceptance**i.
     assert expected_tokens_per_step(acceptance, k) == pytest.approx(sum(acceptance**i for i in range(k + 1)))
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 15])
+@pytest.mark.parametrize("acceptance", [0.0, 0.1, 0.5, 0.9, 0.999, 1.0])
+def test_acceptance_from_rate_inverts_the_share_of_drafts_kept(acceptance: float, k: int) -> None:
+    # A step judges draft i only after accepting drafts 1..i-1, so the kept share is (a + ... + a^k) / k.
+    rate = sum(acceptance**i for i in range(1, k + 1)) / k
+    assert acceptance_from_rate(rate, k) == pytest.approx(acceptance, abs=1e-9)
+    assert acceptance_from_rate(rate, 1) == pytest.approx(rate, abs=1e-12)  # one draft: the rate is a
+
+
+def test_published_speculative_rows_are_self_consistent() -> None:
+    rows = published_speculative()
+    assert len(rows) >= 5 and all(r.source and 0 < r.acceptance_rate < 1 and r.k >= 1 for r in rows)
+    for r in rows:
+        if r.tokens_per_step is not None:
+            # The vLLM table states no k; k = 15 is inferred from tau = 1 + k x accepted/drafted, row by row.
+            assert r.tokens_per_step == pytest.approx(1 + r.k * r.acceptance_rate, abs=0.006), r
+            a = acceptance_from_rate(r.acceptance_rate, r.k)
+            assert expected_tokens_per_step(a, r.k) == pytest.approx(r.tokens_per_step, abs=0.006), r
+    cpu = next(r for r in rows if "llama.cpp" in r.source)
+    assert cpu.acceptance_rate == pytest.approx(47 / 132, abs=5e-5)
+    assert cpu.speedup == pytest.approx(0.52 / 0.44, abs=5e-4)
 
 
 def test_speculative_prediction_by_hand() -> None:

@@ -18,7 +18,7 @@ from kvlab.cache.shared_prefix import SharedPrefixKVCache
 from kvlab.cache.window import WindowKVCache
 from kvlab.config import MLAConfig
 from kvlab.model import Decoder
-from kvlab.speculative import prompt_lookup, speculative_generate
+from kvlab.speculative import inflate_mlp, prompt_lookup, speculative_generate
 
 from .helpers import sharp_random_model
 
@@ -234,6 +234,25 @@ def test_shared_prefix_branch_rolls_back_its_own_tokens_only() -> None:
     assert cache.length == 12 and cache.prefix.length == 10
     with pytest.raises(CacheRollbackError, match="^length: 9; allowed: 10 .. 12"):
         cache.truncate(9)
+
+
+def test_an_inflated_target_predicts_what_its_original_does_and_reads_more(target: Decoder) -> None:
+    big = inflate_mlp(target, 4 * target.cfg.d_ff)
+    n_params = sum(p.numel() for p in big.parameters())
+    extra = 3 * target.cfg.d_ff * 3 * target.cfg.d_model * target.cfg.n_layers  # gate, up and down, per layer
+    assert n_params == sum(p.numel() for p in target.parameters()) + extra
+    prompt = repetitive_prompt()
+    # The zero units add exact zeros, but the wider matmuls sum in another order: close, not equal.
+    assert_close(big(prompt[None]), target(prompt[None]), rtol=1e-4, atol=1e-5)
+    assert greedy_margin(big, prompt, 12) > MARGIN
+    result = speculative_generate(big, prompt, 12, draft=target, k=3)
+    assert torch.equal(result.tokens, big.generate(prompt[None], 12)[0])
+    assert result.acceptance_rate > 0.9  # the original drafts for its inflated self
+
+
+def test_inflate_refuses_a_narrower_mlp(target: Decoder) -> None:
+    with pytest.raises(ValueError, match="d_ff"):
+        inflate_mlp(target, target.cfg.d_ff - 1)
 
 
 @pytest.mark.parametrize(
