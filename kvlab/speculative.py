@@ -31,11 +31,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from kvlab.cache.base import ROLLBACK_CACHES, CacheFactory, CacheRollbackError, KVCache, default_cache
 from kvlab.model import Decoder
+from kvlab.timing import time_interleaved
 from kvlab.validation import require_int
 
 PROMPT_LOOKUP = "prompt-lookup"
@@ -240,6 +242,36 @@ def prompt_lookup(tokens: Sequence[int], n: int, ngrams: Sequence[int] = PROMPT_
             if tokens[start : start + size] == tail:
                 return tokens[start + size : start + size + n]
     return []
+
+
+@torch.no_grad()
+def time_verify_steps(
+    model: Decoder,
+    prompt: torch.Tensor | Sequence[int],
+    positions: Sequence[int],
+    repeats: int = 5,
+    make_cache: CacheFactory = default_cache,
+) -> dict[int, list[float]]:
+    """Seconds of one ``model`` call over ``n`` new positions after ``prompt`` (``[T]``), for each ``n`` in
+    ``positions``: ``repeats`` times each, taken in turns (``kvlab.timing.time_interleaved``), the cache rolled
+    back to the prompt after every call.
+
+    ``n = 1`` is a plain decode step; ``n = k + 1`` is a verify step of ``k`` drafts. The byte model says the two
+    cost the same while the step is bandwidth-bound; this measures whether they do on this machine.
+    """
+    prompt = _prompt(prompt, model)
+    if not positions or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in positions):
+        raise ValueError(f"positions: {list(positions)!r}; allowed: a non-empty list of integers >= 1")
+    require_int("repeats", repeats)
+    cache = make_cache(model, 1, len(prompt) + max(positions))
+    model.prefill(prompt[None].to(model.device), cache)
+    new = prompt[-1:].repeat(max(positions))[None].to(model.device)  # the ids do not change the work
+
+    def call(n: int) -> None:
+        model.prefill(new[:, :n], cache)
+        cache.truncate(len(prompt))
+
+    return time_interleaved({n: partial(call, n) for n in positions}, repeats, device=model.device)
 
 
 @torch.no_grad()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import pkgutil
 import subprocess
 import sys
@@ -30,7 +31,7 @@ LEVELS: tuple[tuple[str, ...], ...] = (
     ("kvlab.bench", "kvlab.breakdown", "kvlab.engine", "kvlab.quality", "kvlab.session", "kvlab.hf", "kvlab.pretrained",
      "kvlab.speculative", "kvlab.train"),
     ("kvlab.course", "kvlab.course.*", "kvlab.checks"),
-    ("kvlab.cli",),
+    ("kvlab.cli", "kvlab.report"),
 )  # fmt: skip
 TORCH_FREE_LEVELS = 1  # the arithmetic: `kvlab predict` and the byte model never wait for torch
 
@@ -53,6 +54,41 @@ print(json.dumps({"kvlab": sorted(m for m in sys.modules if m == "kvlab" or m.st
                   "torch": "torch" in sys.modules}))
 """
 
+# Where fork exists, one interpreter probes every module: a forked child imports one module and reports, so torch
+# loads once instead of once per module. The torch-free modules are probed before the parent imports torch, so
+# their children show whether they loaded it themselves; the rest inherit torch, whose presence is not checked.
+_FORKED_PROBE = """
+import importlib, json, os, sys
+torch_free, rest = json.loads(sys.argv[1])
+found = {}
+def probe(module):
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            importlib.import_module(module)
+            out = {"kvlab": sorted(m for m in sys.modules if m == "kvlab" or m.startswith("kvlab.")),
+                   "torch": "torch" in sys.modules}
+        except BaseException as e:
+            out = {"error": f"{type(e).__name__}: {e}"}
+        os.write(write, json.dumps(out).encode())
+        os._exit(0)
+    os.close(write)
+    chunks = []
+    while chunk := os.read(read, 65536):
+        chunks.append(chunk)
+    os.close(read)
+    os.waitpid(pid, 0)
+    found[module] = json.loads(b"".join(chunks))
+for module in torch_free:
+    probe(module)
+import torch  # noqa: E402,F401
+for module in rest:
+    probe(module)
+print(json.dumps(found))
+"""
+
 
 def _loaded(module: str) -> dict:
     done = subprocess.run([sys.executable, "-c", _PROBE, module], capture_output=True, text=True, timeout=300)
@@ -61,8 +97,22 @@ def _loaded(module: str) -> dict:
     return json.loads(done.stdout)
 
 
+def _loaded_forked(torch_free: list[str], rest: list[str]) -> dict[str, dict]:
+    done = subprocess.run(
+        [sys.executable, "-c", _FORKED_PROBE, json.dumps([torch_free, rest])],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
 @pytest.fixture(scope="module")
 def loaded() -> dict[str, dict]:
+    if hasattr(os, "fork"):
+        low = [m for m in MODULES if level(m) < TORCH_FREE_LEVELS]
+        return _loaded_forked(low, [m for m in MODULES if m not in low])
     with ThreadPoolExecutor(max_workers=4) as pool:
         return dict(zip(MODULES, pool.map(_loaded, MODULES), strict=True))
 
@@ -86,3 +136,6 @@ def test_the_check_sees_an_upward_import() -> None:
     would pass vacuously if the probe saw no modules)."""
     seen = _loaded("kvlab.checks").get("kvlab", [])
     assert "kvlab.model" in seen and "kvlab.cache.base" in seen
+    if hasattr(os, "fork"):  # the forked probe too, and its torch flag for a module probed before torch loads
+        forked = _loaded_forked(["kvlab.model"], ["kvlab.checks"])
+        assert "kvlab.cache.base" in forked["kvlab.checks"]["kvlab"] and forked["kvlab.model"]["torch"]

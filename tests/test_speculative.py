@@ -18,7 +18,7 @@ from kvlab.cache.shared_prefix import SharedPrefixKVCache
 from kvlab.cache.window import WindowKVCache
 from kvlab.config import MLAConfig
 from kvlab.model import Decoder
-from kvlab.speculative import inflate_mlp, prompt_lookup, speculative_generate
+from kvlab.speculative import inflate_mlp, prompt_lookup, speculative_generate, time_verify_steps
 
 from .helpers import sharp_random_model
 
@@ -248,6 +248,22 @@ def test_an_inflated_target_predicts_what_its_original_does_and_reads_more(targe
     result = speculative_generate(big, prompt, 12, draft=target, k=3)
     assert torch.equal(result.tokens, big.generate(prompt[None], 12)[0])
     assert result.acceptance_rate > 0.9  # the original drafts for its inflated self
+
+
+def test_time_verify_steps_times_each_width_and_rolls_back(target: Decoder) -> None:
+    caches = []
+    prompt = repetitive_prompt(20)
+
+    def make_cache(m: Decoder, batch: int, capacity: int):
+        cache = m.new_cache(batch, capacity)
+        caches.append(cache)
+        return cache
+
+    times = time_verify_steps(target, prompt, [1, 3, 5], repeats=2, make_cache=make_cache)
+    assert sorted(times) == [1, 3, 5] and all(len(t) == 2 and min(t) > 0 for t in times.values())
+    assert caches[0].length == len(prompt)  # every call's positions were forgotten again
+    with pytest.raises(ValueError, match="positions"):
+        time_verify_steps(target, prompt, [0, 2])
 
 
 def test_inflate_refuses_a_narrower_mlp(target: Decoder) -> None:
