@@ -1,6 +1,8 @@
 """An autograde round trip on a temporary copy of the course, with synthetic students; scores come from the CSV.
 
-- "perfect" submits the released lessons with the solutions' answers: full marks.
+- "perfect" submits the released lessons with the solutions' answers: full marks, and no cell anywhere raises or
+  writes to stderr. This is the one run of every solution in quick mode with its hidden tests (what
+  `autograde validate --all-cells` on a solution would check, so the suite does not run the notebooks twice).
 - "blank" submits the released lessons untouched: zero.
 - "partial" submits two lessons only, answered with specific mistakes that fail known test cells (the exact partial
   score), and with one test cell edited, which grading restores and names.
@@ -143,6 +145,20 @@ def test_scores_from_the_exported_csv(graded):
         cell_points = points(root / "solutions" / name / f"{name}.ipynb")
         expected = sum(cell_points.values()) - sum(cell_points[g] for g in failing)
         assert float(got[(name, "partial")][0]) == expected, f"{name}: partial score"
+
+
+def test_perfect_submissions_ran_every_cell_cleanly(graded):
+    """Autograde scores test cells only; a learner running the solution would also see any other cell fail."""
+    root, _ = graded
+    for name in LESSONS:
+        nb = nbformat.read(root / "autograde" / "autograded" / "perfect" / name / f"{name}.ipynb", as_version=4)
+        for i, cell in enumerate(c for c in nb.cells if c.cell_type == "code"):
+            bad = [
+                o.get("ename") or o.get("text", "")[-500:]
+                for o in cell.outputs
+                if o.output_type == "error" or (o.output_type == "stream" and o.name == "stderr")
+            ]
+            assert not bad, f"{name}, code cell {i}: the solution raised or wrote to stderr: {bad}"
 
 
 def test_timestamps_in_the_csv(graded):
