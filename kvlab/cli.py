@@ -2,10 +2,12 @@
 
     kvlab predict --model llama-3.1-70b --gpu h100-sxm --context 30000
     kvlab bench --preset cpu-small --contexts 2k,8k,16k,32k --json out.json --plot out.png
+    kvlab report --model llama-3.1-70b --gpu h100-sxm --context 32k --batch 8 --out report/
     kvlab models | kvlab gpus
 
-A bad argument prints one line naming it and the allowed values, and exits with status 2. Only ``bench`` loads
-torch: ``predict``, ``models`` and ``gpus`` are arithmetic over the presets (``kvlab.roofline``).
+A bad argument prints one line naming it and the allowed values, and exits with status 2. Only ``bench`` and
+``report --measure`` load torch: ``predict``, ``report``, ``models`` and ``gpus`` are arithmetic over the presets
+(``kvlab.roofline``).
 """
 
 from __future__ import annotations
@@ -14,12 +16,20 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 from kvlab.config import ModelConfig
 from kvlab.dtypes import BYTES_PER_ELEMENT, KV_DTYPES, canonical_dtype
-from kvlab.presets import get_gpu, get_model, gpu_presets, model_presets, params_verified
-from kvlab.roofline import active_params, kv_bytes_per_token, param_count, predict, predict_speculative
+from kvlab.presets import GPU, get_gpu, get_model, gpu_presets, model_presets, params_verified
+from kvlab.roofline import (
+    Prediction,
+    SpeculativePrediction,
+    active_params,
+    kv_bytes_per_token,
+    param_count,
+    predict,
+    predict_speculative,
+)
 
 TOKENS_PER_K = 1024
 
@@ -133,15 +143,50 @@ def _read_note(cfg: ModelConfig, p) -> str:
     return "; ".join(notes)
 
 
-def cmd_predict(args: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class Target:
+    """What ``predict`` and ``report`` share: the model, where its bandwidth comes from, and its memory (GB or None)."""
+
+    cfg: ModelConfig
+    bandwidth_gbps: float
+    bandwidth_source: str
+    gpu: GPU | None
+    memory_gb: float | None
+
+
+def resolve_target(args: argparse.Namespace) -> Target:
+    """``--model``/``--config`` and ``--gpu``/``--bandwidth``, checked."""
     cfg = _load_config(args)
-    context = parse_tokens(args.context)
-    batch = _positive_int(args.batch, "--batch")
     if args.gpu:
         gpu = _usage(get_gpu, args.gpu, "--gpu")
-        bandwidth, memory_gb, source = gpu.bandwidth_gbps, gpu.memory_gb, f"{gpu.name} datasheet"
-    else:
-        bandwidth, memory_gb, source = _positive_float(args.bandwidth, "--bandwidth"), None, "given"
+        return Target(cfg, gpu.bandwidth_gbps, f"{gpu.name} datasheet", gpu, gpu.memory_gb)
+    return Target(cfg, _positive_float(args.bandwidth, "--bandwidth"), "given", None, None)
+
+
+def run_predict(cfg: ModelConfig, context: int, bandwidth: float, batch: int, **options) -> Prediction:
+    """``kvlab.roofline.predict``, with the byte model's field names spelled as the command line's flags."""
+    try:
+        return predict(cfg, context, bandwidth, batch, **options)
+    except ValueError as e:  # the byte model names its argument; the command line spells it as a flag
+        field, _, rest = str(e).partition(": ")
+        raise UsageError(f"--{field.replace('_', '-')}: {rest}") from None
+
+
+def predict_json(cfg: ModelConfig, p: Prediction, spec: SpeculativePrediction | None, memory_gb: float | None) -> dict:
+    """What ``kvlab predict --json`` prints; ``kvlab report`` embeds the same dict."""
+    out = p.to_dict() | {"attention": cfg.attention_kind, "memory_needed_bytes": p.weight_bytes + p.kv_bytes}
+    if spec is not None:
+        out["speculative"] = asdict(spec)
+    if memory_gb is not None:
+        out["gpu_memory_bytes"] = round(memory_gb * 1e9)
+    return out
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    target = resolve_target(args)
+    cfg, bandwidth, memory_gb, gpu = target.cfg, target.bandwidth_gbps, target.memory_gb, target.gpu
+    context = parse_tokens(args.context)
+    batch = _positive_int(args.batch, "--batch")
     wd = _dtype(args.weight_dtype, "--weight-dtype") if args.weight_dtype else None
     kd = _dtype(args.kv_dtype, "--kv-dtype", KV_DTYPES) if args.kv_dtype else None
     window = parse_tokens(args.window, "--window") if args.window else None
@@ -149,20 +194,24 @@ def cmd_predict(args: argparse.Namespace) -> int:
     shared = parse_tokens(args.shared_prefix, "--shared-prefix") if args.shared_prefix else 0
     group = _positive_int(args.group_size, "--group-size") if args.group_size else None
     wgroup = _positive_int(args.weight_group_size, "--weight-group-size") if args.weight_group_size else None
-    try:
-        p = predict(cfg, context, bandwidth, batch, wd, kd, window, sinks, shared, group, wgroup, args.input_embedding)
-    except ValueError as e:  # the byte model names its argument; the command line spells it as a flag
-        field, _, rest = str(e).partition(": ")
-        raise UsageError(f"--{field.replace('_', '-')}: {rest}") from None
+    p = run_predict(
+        cfg,
+        context,
+        bandwidth,
+        batch,
+        weight_dtype=wd,
+        kv_dtype=kd,
+        window=window,
+        sinks=sinks,
+        shared_prefix=shared,
+        group_size=group,
+        weight_group_size=wgroup,
+        input_embedding=args.input_embedding,
+    )
     memory_needed = p.weight_bytes + p.kv_bytes
-    spec = _speculation(args, p, context, bandwidth, batch)
+    spec = _speculation(args, p)
     if args.json:
-        out = p.to_dict() | {"attention": cfg.attention_kind, "memory_needed_bytes": memory_needed}
-        if spec is not None:
-            out["speculative"] = asdict(spec)
-        if memory_gb is not None:
-            out["gpu_memory_bytes"] = round(memory_gb * 1e9)
-        print(json.dumps(out, indent=2))
+        print(json.dumps(predict_json(cfg, p, spec, memory_gb), indent=2))
         return 0
     dtypes = _dtypes_note(p.weight_dtypes) + (f", {p.weight_group_size}-weight groups" if p.weight_group_size else "")
     moe = f", {cfg.moe.top_k} of {cfg.moe.n_experts} experts per token" if cfg.moe else ""
@@ -174,7 +223,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         ("KV per token", f"{p.kv_bytes_per_token:,} B = {p.kv_bytes_per_token / 1024:,.1f} KiB in {p.kv_dtype}"),
         (f"KV read, {context:,} tok x {batch}", _gb(p.kv_bytes) + _policy_note(p)),
         ("bytes per step", _gb(p.bytes_per_step)),
-        ("bandwidth", f"{bandwidth:,.0f} GB/s ({source})"),
+        ("bandwidth", f"{bandwidth:,.0f} GB/s ({target.bandwidth_source})"),
         ("TPOT", f"{p.tpot_ms:,.2f} ms at full bandwidth (weights alone {p.tpot_ms_weights_only:,.2f} ms)"),
         ("TPOT, real systems", f"{lo:,.2f}-{hi:,.2f} ms: {p.tpot_ms_range_basis}"),
     ]
@@ -215,7 +264,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
-def _speculation(args: argparse.Namespace, p, context: int, bandwidth: float, batch: int):
+def _speculation(args: argparse.Namespace, p: Prediction) -> SpeculativePrediction | None:
     """``--speculate K --acceptance A [--draft-model NAME]``: bytes per token of speculative decoding, or None."""
     if args.speculate is None:
         if args.acceptance is not None or args.draft_model:
@@ -225,42 +274,73 @@ def _speculation(args: argparse.Namespace, p, context: int, bandwidth: float, ba
     if args.acceptance is None:
         raise UsageError("--acceptance: missing; allowed: the share of drafts accepted, in [0, 1] (e.g. 0.7)")
     acceptance = _probability(args.acceptance, "--acceptance")
-    draft_bytes = 0
-    if args.draft_model:
-        draft_cfg = _usage(get_model, args.draft_model, "--draft-model")
-        draft_bytes = predict(draft_cfg, min(context, draft_cfg.max_seq_len), bandwidth, batch).bytes_per_step
-    return predict_speculative(p.bytes_per_step, k, acceptance, bandwidth, draft_bytes)
+    draft_cfg = _usage(get_model, args.draft_model, "--draft-model") if args.draft_model else None
+    return speculate(p, k, acceptance, draft_cfg)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
+def draft_step(p: Prediction, draft_cfg: ModelConfig) -> Prediction:
+    """The draft's own step beside the target's ``p``: the same batch and bandwidth, at the same context clipped to
+    the draft's max context."""
+    return predict(draft_cfg, min(p.context, draft_cfg.max_seq_len), p.bandwidth_gbps, p.batch)
+
+
+def speculate(p: Prediction, k: int, acceptance: float, draft_cfg: ModelConfig | None) -> SpeculativePrediction:
+    """Speculative decoding over the plain step ``p``, drafted by ``draft_cfg`` (None: a drafter reading no bytes)."""
+    draft_bytes = 0 if draft_cfg is None else draft_step(p, draft_cfg).bytes_per_step
+    return predict_speculative(p.bytes_per_step, k, acceptance, p.bandwidth_gbps, draft_bytes)
+
+
+def measure_sweep(
+    preset: str,
+    contexts: list[int],
+    batch: int = 1,
+    n_tokens: int = 16,
+    n_requests: int = 3,
+    fill: str = "fast",
+    device: str | None = None,
+    threads: int | None = None,
+):
+    """Decode the runnable ``preset`` on this machine at each context (tokens): ``kvlab bench``'s measurement, which
+    ``kvlab report --measure`` runs too. Returns the config it ran (max context raised to fit) and the
+    ``kvlab.bench.Sweep``, whose prediction uses the read bandwidth measured in the same run."""
     import torch
 
     from kvlab.bench import sweep_context
     from kvlab.model import Decoder
 
-    contexts = [parse_tokens(c, "--contexts") for c in args.contexts.split(",") if c.strip()]
-    cfg = _usage(get_model, args.preset, "--preset")
+    cfg = _usage(get_model, preset, "--preset")
     if not cfg.runnable:
         raise UsageError(f"--preset: {cfg.name} cannot run yet: {cfg.not_runnable_reason}")
-    if args.fill not in ("fast", "prefill"):
-        raise UsageError(f"--fill: {args.fill!r}; allowed: fast, prefill")
-    if args.threads:
-        torch.set_num_threads(_positive_int(args.threads, "--threads"))
-    batch = _positive_int(args.batch, "--batch")
+    if threads:
+        torch.set_num_threads(threads)
     capacity = max(contexts) + 64
     if capacity > cfg.max_seq_len:
         cfg = cfg.replace(max_seq_len=capacity)
     try:
-        model = Decoder(cfg, device=args.device)
+        model = Decoder(cfg, device=device)
     except RuntimeError as e:
         raise UsageError(f"--device: {e}") from None
-    sweep = sweep_context(
-        model,
+    sweep = sweep_context(model, contexts, n_tokens=n_tokens, n_requests=n_requests, batch=batch, fill=fill)
+    return cfg, sweep
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    contexts = [parse_tokens(c, "--contexts") for c in args.contexts.split(",") if c.strip()]
+    if args.fill not in ("fast", "prefill"):
+        raise UsageError(f"--fill: {args.fill!r}; allowed: fast, prefill")
+    threads = _positive_int(args.threads, "--threads") if args.threads else None
+    batch = _positive_int(args.batch, "--batch")
+    cfg, sweep = measure_sweep(
+        args.preset,
         contexts,
+        batch,
         n_tokens=_positive_int(args.tokens, "--tokens"),
         n_requests=_positive_int(args.requests, "--requests"),
-        batch=batch,
         fill=args.fill,
+        device=args.device,
+        threads=threads,
     )
     bw = sweep.bandwidth
     print(
@@ -284,6 +364,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
         sweep.save_json(args.json)
     if args.plot:
         sweep.plot(args.plot)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from kvlab.report import DEFAULT_CONTEXT, build_report, summary_lines, write_report
+
+    target = resolve_target(args)
+    # The default is clipped to a shorter model's max context; a context the team gives is not.
+    context = parse_tokens(args.context) if args.context else min(DEFAULT_CONTEXT, target.cfg.max_seq_len)
+    batch = _positive_int(args.batch, "--batch")
+    memory_gb = _positive_float(args.memory_gb, "--memory-gb") if args.memory_gb else None
+    if context > target.cfg.max_seq_len:  # refused before the sweep below, which takes a while
+        run_predict(target.cfg, context, target.bandwidth_gbps, batch)
+    sweep = None
+    if args.measure:
+        # A short sweep: enough for a line and its fit on a laptop CPU in well under a minute.
+        sweep = measure_sweep("cpu-small", [1024, 4096, 8192], n_tokens=8, n_requests=2)[1]
+    report = build_report(target, context, batch, memory_gb, sweep)
+    try:
+        written = write_report(report, args.out, sweep, images=not args.json_only)
+    except OSError as e:
+        raise UsageError(f"--out: {args.out}: {e.strerror}; allowed: a folder this user can create or write") from None
+    for line in summary_lines(report):
+        print(line)
+    print(f"wrote {', '.join(str(p) for p in written)}")
     return 0
 
 
@@ -323,17 +428,22 @@ def cmd_gpus(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and the bandwidth, as ``predict`` and ``report`` both take them (``resolve_target`` reads them)."""
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", help="a preset name (kvlab models)")
+    model.add_argument("--config", help="a Hugging Face config.json (Llama-style keys)")
+    bw = parser.add_mutually_exclusive_group(required=True)
+    bw.add_argument("--gpu", help="a GPU preset (kvlab gpus): its bandwidth and memory")
+    bw.add_argument("--bandwidth", help="memory bandwidth in GB/s")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvlab", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("predict", help="bytes per decode step and predicted TPOT")
-    model = p.add_mutually_exclusive_group(required=True)
-    model.add_argument("--model", help="a preset name (kvlab models)")
-    model.add_argument("--config", help="a Hugging Face config.json (Llama-style keys)")
-    bw = p.add_mutually_exclusive_group(required=True)
-    bw.add_argument("--gpu", help="a GPU preset (kvlab gpus)")
-    bw.add_argument("--bandwidth", help="memory bandwidth in GB/s")
+    _add_target_arguments(p)
     p.add_argument("--context", required=True, help="tokens each sequence attends over, e.g. 30000 or 32k")
     p.add_argument("--batch", default="1", help="sequences decoded together (default 1)")
     p.add_argument(
@@ -383,6 +493,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", help="write the results as JSON here")
     b.add_argument("--plot", help="write a measured-vs-predicted plot here (PNG)")
     b.set_defaults(func=cmd_bench)
+
+    r = sub.add_parser("report", help="a shareable report for one model, GPU, context and batch")
+    _add_target_arguments(r)
+    r.add_argument("--memory-gb", help="memory to fit weights + KV into, in GB (default: the GPU preset's)")
+    r.add_argument(
+        "--context", help="your tokens per sequence (default 32k, or the model's max context where that is shorter)"
+    )
+    r.add_argument("--batch", default="1", help="your sequences decoded together (default 1)")
+    r.add_argument("--measure", action="store_true", help="also measure this machine (kvlab bench, cpu-small)")
+    r.add_argument("--json-only", action="store_true", help="write report.json only (no plots, markdown, HTML)")
+    r.add_argument("--out", required=True, help="folder for index.html, report.md, report.json and the plots")
+    r.set_defaults(func=cmd_report)
 
     sub.add_parser("models", help="list model presets").set_defaults(func=cmd_models)
     sub.add_parser("gpus", help="list GPU presets").set_defaults(func=cmd_gpus)

@@ -1,0 +1,751 @@
+"""``kvlab report``: one serving team's model on one GPU, at their context and batch, as a page they can share.
+
+``build_report`` gathers every figure as plain data (``report.json``); ``write_report`` renders it as
+``index.html`` (images embedded as data: URIs), ``report.md`` and the PNG plots beside them. Every byte count and
+TPOT comes from ``kvlab.cli.run_predict`` (``kvlab.roofline.predict``) and ``kvlab.cli.speculate``, the functions
+``kvlab predict`` calls, and each mitigation records the ``kvlab predict`` flags that reproduce its figures.
+
+Quality costs cite what the course measured: the shipped checkpoints' records (``kvlab/data/kvlab-tiny-*.json``,
+their ``eval``) and the quality table of ``docs/measurements.md``, shipped as data in
+``kvlab/data/quality_table.json`` (``quality_table_from_measurements`` builds it from that file; a test keeps them
+equal). Imports no torch unless ``--measure`` runs the machine's own sweep.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+import re
+from dataclasses import asdict
+from functools import cache
+from importlib import resources
+from itertools import groupby
+from pathlib import Path
+
+from kvlab.cli import Target, draft_step, predict_json, run_predict, speculate
+from kvlab.presets import get_model
+from kvlab.published import published_speculative
+from kvlab.roofline import (
+    Prediction,
+    SpeculativePrediction,
+    acceptance_from_rate,
+    best_speculation_k,
+    crossover_context,
+    kv_bytes_per_step,
+)
+
+DEFAULT_CONTEXT = 32 * 1024
+PLOT_BATCHES = (1, 4, 16, 64)  # beside the team's own batch
+KV_CODECS = ("fp8", "int8", "int4")
+KV_GROUP_SIZE = 32  # kvlab's QuantizedKVCache default, the grouping the quality table measured
+STREAMING_SINKS, STREAMING_WINDOW = 4, 1020  # StreamingLLM's setting (Xiao et al., arXiv 2309.17453, Table 1)
+SHARED_PREFIX_TOKENS = 2048  # an assumed system prompt + tool definitions shared by every sequence in the batch
+SESSION_CAP_TOKENS = 8192  # an assumed cap on a chat's context, oldest turns dropped first
+SPECULATIVE_ROW = 0  # published_speculative()'s vLLM MATH-500 row: Llama-3-architecture 70B target, 8B draft
+SPECULATIVE_DRAFT = "llama-3.1-8b"  # the preset with that row's draft's shape (DeepSeek-R1-Distill-Llama-8B)
+QUALITY_JSON = "quality_table.json"
+CHECKPOINT = "kvlab-tiny-stdlib"  # the checkpoint the quality table measured
+LESSONS = {
+    "04": "lessons/04_batching",
+    "05": "lessons/05_prefix_caching",
+    "06": "lessons/06_gqa_mqa_mla",
+    "07": "lessons/07_window_sinks",
+    "08": "lessons/08_heavy_hitters",
+    "09": "lessons/09_kv_quantization",
+    "10": "lessons/10_speculative_decoding",
+}
+PLOTS = {
+    "tpot": "tpot_vs_context.png",
+    "mitigations": "mitigations.png",
+    "memory": "memory.png",
+    "measure": "measured.png",
+}
+
+
+# -- the course's measured quality ---------------------------------------------------------------------------------
+def quality_table_from_measurements(text: str) -> dict:
+    """The first table that ``benchmarks/quality_table.py`` printed into ``docs/measurements.md`` (its ``text``).
+
+    Returns ``{"source", "header", "rows"}``; each row: policy, context, ppl, bits_per_token, recall per depth,
+    recall_mean, answer_prob_mean, as printed (the time column is left out: it says nothing about quality).
+    """
+    section = text.split("## `python benchmarks/quality_table.py`", 1)[1]
+    block = section.split("```", 2)[1].strip().splitlines()
+    header, columns, body = block[0], block[1].split(), block[2:]
+    depths = [float(c.removeprefix("recall@")) for c in columns if c.startswith("recall@")]
+    rows = []
+    for line in body:
+        cells = line.split()
+        recalls = cells[4 : 4 + len(depths)]
+        rows.append(
+            {
+                "policy": cells[0],
+                "context": int(cells[1]),
+                "ppl": float(cells[2]),
+                "bits_per_token": float(cells[3]),
+                "recall": {f"{d:g}": float(r) for d, r in zip(depths, recalls, strict=True)},
+                "recall_mean": float(cells[4 + len(depths)]),
+                "answer_prob_mean": float(cells[5 + len(depths)]),
+            }
+        )
+    source = "docs/measurements.md, section `python benchmarks/quality_table.py`, first table"
+    return {"source": source, "header": header, "rows": rows}
+
+
+@cache
+def quality_table() -> dict:
+    """``kvlab/data/quality_table.json``: ``quality_table_from_measurements(docs/measurements.md)``."""
+    return json.loads(resources.files("kvlab.data").joinpath(QUALITY_JSON).read_text())
+
+
+@cache
+def checkpoint_record(name: str = CHECKPOINT) -> dict:
+    """A shipped checkpoint's record: its ``training`` settings and its ``eval`` (perplexity, passkey recall, the
+    sink study)."""
+    return json.loads(resources.files("kvlab.data").joinpath(f"{name}.json").read_text())
+
+
+def trained_length() -> int:
+    """The checkpoint's training length: quality is compared there, where the full cache is sound, and at twice it."""
+    return checkpoint_record()["training"]["seq_len"]
+
+
+def _quality_row(policy: str, context: int | None = None) -> dict:
+    context = context or trained_length()
+    return next(r for r in quality_table()["rows"] if r["policy"] == policy and r["context"] == context)
+
+
+def _measured(policy: str, context: int | None = None) -> str:
+    """``policy``'s perplexity and passkey recall beside the full cache's at ``context``, from the quality table."""
+    full, row = _quality_row("full", context), _quality_row(policy, context)
+    return (
+        f"perplexity {full['ppl']:.3f} -> {row['ppl']:.3f}, passkey recall {full['recall_mean']:.2f} -> "
+        f"{row['recall_mean']:.2f}"
+    )
+
+
+def _citation(policy: str) -> str:
+    n = trained_length()
+    return f"{quality_table()['source']}, row {policy} at {n} tokens ({CHECKPOINT}, trained at {n})"
+
+
+# -- the report's figures ------------------------------------------------------------------------------------------
+def _contexts(max_seq_len: int, context: int, n: int = 48) -> list[int]:
+    """``n`` contexts spaced evenly from 256 tokens (or fewer) to the model's max, and the team's own."""
+    lo = min(256, max_seq_len)
+    grid = {round(lo + (max_seq_len - lo) * i / (n - 1)) for i in range(n)}
+    return sorted(grid | {context})
+
+
+def _breakdown(target: Target, p: Prediction) -> dict:
+    """What a step reads, and why: the notes say which parts of the shape shrink which term."""
+    cfg = target.cfg
+    notes = [f"attention {cfg.attention_kind}: lesson 06 ({LESSONS['06']}) shows what the KV layout saves"]
+    if cfg.mla is not None:
+        notes.append(
+            f"MLA caches one {cfg.mla.cached_elements_per_layer}-element latent per token per layer, "
+            "not K and V per head"
+        )
+    else:
+        notes.append(
+            f"{cfg.n_kv_heads} KV heads of {cfg.n_heads} query heads, head dim {cfg.head_dim}: "
+            f"KV per token = 2 x {cfg.n_layers} layers x {cfg.n_kv_heads} x {cfg.head_dim} x bytes"
+        )
+    if cfg.moe is not None:
+        m = cfg.moe
+        notes.append(
+            f"mixture of experts: {m.top_k} of {m.n_experts} routed experts per token"
+            + (f" + {m.n_shared_experts} shared" if m.n_shared_experts else "")
+            + f"; at batch {p.batch} a step reads {p.experts_read:,.1f} distinct experts per MoE layer "
+            "(uniform routing: an upper end)"
+        )
+    windows = [w for w in cfg.layer_windows or () if w is not None]
+    if windows:
+        notes.append(
+            f"{len(windows)} of {cfg.n_layers} layers are local (window {max(windows):,} tokens) and read at most "
+            "their window; the others read the whole context"
+        )
+    return {
+        "attention": cfg.attention_kind,
+        "weight_bytes": p.weight_bytes,
+        "weight_bytes_read": p.weight_bytes_read,
+        "active_params": p.active_params,
+        "experts_read": p.experts_read,
+        "weight_dtypes": p.weight_dtypes,
+        "kv_dtype": p.kv_dtype,
+        "kv_bytes_per_token": p.kv_bytes_per_token,
+        "kv_bytes": p.kv_bytes,
+        "bytes_per_step": p.bytes_per_step,
+        "notes": notes,
+    }
+
+
+def _curves(target: Target, context: int, batch: int) -> list[dict]:
+    """TPOT (ms) and the published real-system range against context, for batch 1, a few batches and the team's."""
+    cfg = target.cfg
+    contexts = _contexts(cfg.max_seq_len, context)
+    out = []
+    for b in sorted({*PLOT_BATCHES, batch}):
+        preds = [run_predict(cfg, c, target.bandwidth_gbps, b) for c in contexts]
+        out.append(
+            {
+                "batch": b,
+                "context": contexts,
+                "tpot_ms": [q.tpot_ms for q in preds],
+                "tpot_ms_range": [list(q.tpot_ms_range) for q in preds],
+                "memory_needed_bytes": [q.weight_bytes + q.kv_bytes for q in preds],
+            }
+        )
+    return out
+
+
+def _largest(fits, hi: int) -> int:
+    """The largest ``n`` in ``0 .. hi`` with ``fits(n)``, for a ``fits`` true up to some point and false after."""
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def _memory(target: Target, p: Prediction, memory_gb: float | None, context: int, batch: int) -> dict | None:
+    """The largest batch at the team's context, and the longest context at their batch, whose KV fits beside the
+    weights in ``memory_gb`` (None: the GPU preset's; neither: not judged). KV per sequence is what ``predict``
+    counts at batch 1 (local layers keep only their window)."""
+    source = "--memory-gb"
+    if memory_gb is None and target.gpu is not None:
+        memory_gb, source = target.gpu.memory_gb, f"{target.gpu.name} datasheet"
+    if memory_gb is None:
+        return None
+    cfg = target.cfg
+    capacity = round(memory_gb * 1e9)
+    free = capacity - p.weight_bytes
+
+    def per_sequence(c: int) -> int:
+        return kv_bytes_per_step(cfg, c, 1, p.kv_dtype) if c > 0 else 0
+
+    contexts = _contexts(cfg.max_seq_len, context)
+    return {
+        "memory_bytes": capacity,
+        "memory_source": source,
+        "weight_bytes": p.weight_bytes,
+        "free_for_kv_bytes": free,
+        "kv_bytes_per_sequence": per_sequence(context),
+        "fits": p.weight_bytes + p.kv_bytes <= capacity,
+        # devices of this memory that would hold weights + KV, pooled (tensor parallelism splits both)
+        "devices_needed": math.ceil((p.weight_bytes + p.kv_bytes) / capacity),
+        "max_batch_at_context": max(0, free // per_sequence(context)),
+        "max_context_at_batch": _largest(lambda c: batch * per_sequence(c) <= free, cfg.max_seq_len),
+        "curve": {"context": contexts, "max_batch": [max(0, free // per_sequence(c)) for c in contexts]},
+        "caveat": "an upper end: activations, the runtime's reserve and paged-block rounding "
+        f"(lesson 04, {LESSONS['04']}) come out of the same memory",
+    }
+
+
+def _crossover(target: Target, p: Prediction, batch: int) -> list[dict]:
+    """Where a step's KV bytes equal its weight bytes, at batch 1 and the team's batch.
+
+    Without local layers KV grows linearly, so ``crossover_context`` answers; with them the KV a step reads bends
+    at each window, so the context is found on ``kv_bytes_per_step`` itself (``None``: not within max context).
+    """
+    cfg = target.cfg
+    local = any(w is not None for w in cfg.layer_windows or ())
+    out = []
+    for b in sorted({1, batch}):
+        weights = run_predict(cfg, 1, target.bandwidth_gbps, b).weight_bytes_read
+        if local:
+            below = _largest(lambda c, b=b, w=weights: kv_bytes_per_step(cfg, c, b, p.kv_dtype) < w, cfg.max_seq_len)
+            tokens: float | None = below + 1 if below < cfg.max_seq_len else None
+            method = "kv_bytes_per_step (local layers read at most their window)"
+        else:
+            tokens = crossover_context(weights, p.kv_bytes_per_token, b)
+            method = "crossover_context"
+        reached = tokens is not None and tokens <= cfg.max_seq_len
+        out.append({"batch": b, "weight_bytes_read": weights, "context": tokens, "within_max": reached, "by": method})
+    return out
+
+
+def _speculative_assumption() -> dict:
+    row = published_speculative()[SPECULATIVE_ROW]
+    a = acceptance_from_rate(row.acceptance_rate, row.k)
+    return {
+        "row": asdict(row),
+        "acceptance": a,
+        "draft": SPECULATIVE_DRAFT,
+        "citation": f"kvlab/data/published_speculative.csv row {SPECULATIVE_ROW + 1}: {row.source}; {row.target} "
+        f"drafted by {row.draft} on {row.task}, {row.acceptance_rate:.4f} of drafts accepted at k = {row.k}, which "
+        f"acceptance_from_rate turns into a per-draft acceptance a = {a:.3f}",
+    }
+
+
+def _mitigations(target: Target, p: Prediction, context: int, batch: int) -> list[dict]:
+    """Each mitigation's prediction at the team's context and batch, its cost in quality, and its lesson."""
+    cfg, bw = target.cfg, target.bandwidth_gbps
+    rows: list[dict] = []
+
+    def add(
+        key: str,
+        name: str,
+        lesson: str,
+        flags: list[str],
+        q: Prediction,
+        spec: SpeculativePrediction | None = None,
+        extra_memory_bytes: int = 0,
+        **text: str,
+    ) -> None:
+        """One row; ``extra_memory_bytes``: what the mitigation holds beside the target's weights and KV."""
+        tpot = spec.tpot_ms if spec is not None else q.tpot_ms
+        rows.append(
+            {
+                "key": key,
+                "name": name,
+                "lesson": lesson,
+                "lesson_path": LESSONS[lesson],
+                "predict_flags": flags,
+                "prediction": predict_json(cfg, q, spec, target.memory_gb),
+                "tpot_ms": tpot,
+                "tpot_ms_range": list(q.tpot_ms_range) if spec is None else None,
+                "speedup": p.tpot_ms / tpot,
+                "memory_needed_bytes": q.weight_bytes + q.kv_bytes + extra_memory_bytes,
+                **text,
+            }
+        )
+
+    for codec in KV_CODECS:
+        q = run_predict(cfg, context, bw, batch, kv_dtype=codec, group_size=KV_GROUP_SIZE)
+        add(
+            f"kv-{codec}",
+            f"{codec} KV cache",
+            "09",
+            ["--kv-dtype", codec, "--group-size", str(KV_GROUP_SIZE)],
+            q,
+            assumption=f"groups of {KV_GROUP_SIZE} elements share a scale (and zero point), counted; the attention "
+            "kernel must read the compressed bytes itself, or the step still reads full-width copies",
+            quality=f"measured on the course's checkpoint: {_measured(codec)} (the newest 128 tokens kept exact)",
+            citation=_citation(codec),
+        )
+
+    window = STREAMING_WINDOW
+    q = run_predict(cfg, context, bw, batch, window=window, sinks=STREAMING_SINKS)
+    sinks = checkpoint_record()["eval"]["sinks"]
+    sink_ppl = sinks["perplexity"]
+    policy, n = "window-256+4sinks/reassigned", trained_length()
+    add(
+        "window-sinks",
+        f"window {window:,} + {STREAMING_SINKS} sinks",
+        "07",
+        ["--window", str(window), "--sinks", str(STREAMING_SINKS)],
+        q,
+        assumption=f"StreamingLLM's default: the first {STREAMING_SINKS} tokens and the {window:,} most recent "
+        + (
+            "(the context is within it, so nothing changes)"
+            if context <= window + STREAMING_SINKS
+            else "(TPOT stops growing with context)"
+        ),
+        quality=f"anything older than the window is forgotten: {_measured(policy)} with a 256-token window at "
+        f"{n} tokens; past the trained length the window is the sound one: {_measured(policy, 2 * n)} "
+        f"at {2 * n} (the record's sink study, {sinks['context']} tokens, window {sinks['window']} + {sinks['sinks']} "
+        f"sinks: perplexity {sink_ppl['window+sinks/reassigned']:.3f} against the full cache's {sink_ppl['full']:.3f})",
+        citation=f"{_citation(policy)} and at {2 * n}; kvlab/data/{CHECKPOINT}.json eval.sinks",
+    )
+
+    prefix = min(SHARED_PREFIX_TOKENS, context)
+    q = run_predict(cfg, context, bw, batch, shared_prefix=prefix)
+    add(
+        "shared-prefix",
+        f"shared {prefix:,}-token prefix",
+        "05",
+        ["--shared-prefix", str(prefix)],
+        q,
+        assumption=f"an assumed {prefix:,}-token system prompt shared by all {batch} sequences, stored once and read "
+        "once per step by a shared-prefix (cascade) kernel"
+        + ("; at batch 1 it is read once anyway" if batch == 1 else ""),
+        quality="none: every sequence attends to the same K/V as before",
+        citation="exact by construction; lesson 05 measures the bytes and time a cascade kernel saves "
+        "(docs/measurements.md, benchmarks/mitigations.py)",
+    )
+
+    cap = min(SESSION_CAP_TOKENS, context)
+    q = run_predict(cfg, cap, bw, batch)
+    add(
+        "session-cap",
+        f"session cap at {cap:,} tokens",
+        "08",
+        ["--context", str(cap)],
+        q,
+        assumption=f"an assumed cap of {SESSION_CAP_TOKENS:,} tokens: the oldest turns are dropped (the system "
+        "prompt stays), and each drop re-prefills what is kept, which lesson 08 measures against the bytes saved"
+        + ("; the context is within it, so nothing changes" if context <= SESSION_CAP_TOKENS else ""),
+        quality="the dropped turns are forgotten; a token not kept is not recalled "
+        f"({_measured('window-256')} with a 256-token window; H2O's keep rule drops a passkey too: "
+        f"{_measured('h2o-128')} with a 128-token budget)",
+        citation=f"{_citation('window-256')}; same table, row h2o-128",
+    )
+
+    spec = _speculative_assumption()
+    draft = get_model(spec["draft"])
+    d = draft_step(p, draft)
+    k = best_speculation_k(p.bytes_per_step, spec["acceptance"], d.bytes_per_step)
+    result = speculate(p, k, spec["acceptance"], draft)
+    add(
+        "speculative",
+        f"speculative decoding, k = {k}" if k else "speculative decoding (k = 0: this draft does not pay)",
+        "10",
+        ["--speculate", str(k), "--acceptance", repr(spec["acceptance"]), "--draft-model", spec["draft"]],
+        p,
+        result,
+        extra_memory_bytes=d.weight_bytes + d.kv_bytes if k else 0,  # k = 0: no draft is loaded
+        assumption=f"a {spec['draft']}-shaped draft ({_gb(d.bytes_per_step)} per draft step; its weights and KV "
+        f"are counted in memory) at per-draft acceptance a = {spec['acceptance']:.3f}, the cited row's rate (yours "
+        "depends on your draft, target and traffic); k chosen for the fewest bytes per token; assumes the verify "
+        "step stays bandwidth-bound, which it does at batch 1 and less so as the batch grows",
+        quality="none: speculative sampling keeps the target's output distribution exactly (Leviathan et al., "
+        "arXiv 2211.17192; Chen et al., arXiv 2302.01318); the acceptance, and so the speedup, depends on the task",
+        citation=spec["citation"],
+    )
+    return rows
+
+
+def build_report(target: Target, context: int, batch: int, memory_gb: float | None = None, sweep=None) -> dict:
+    """Every figure of the report, as JSON-ready data. ``memory_gb``: the memory to fit into (None: the GPU
+    preset's, if any); ``sweep``: a ``kvlab.bench.Sweep`` measured on this machine, or None."""
+    cfg = target.cfg
+    p = run_predict(cfg, context, target.bandwidth_gbps, batch)
+    return {
+        "inputs": {
+            "model": cfg.name,
+            "gpu": target.gpu.name if target.gpu else None,
+            "bandwidth_gbps": target.bandwidth_gbps,
+            "bandwidth_source": target.bandwidth_source,
+            "memory_gb": memory_gb,
+            "context": context,
+            "batch": batch,
+            "max_seq_len": cfg.max_seq_len,
+        },
+        "prediction": predict_json(cfg, p, None, target.memory_gb),
+        "breakdown": _breakdown(target, p),
+        "curves": _curves(target, context, batch),
+        "memory": _memory(target, p, memory_gb, context, batch),
+        "crossover": _crossover(target, p, batch),
+        "speculative_assumption": _speculative_assumption(),
+        "mitigations": _mitigations(target, p, context, batch),
+        "measured": None if sweep is None else sweep.to_dict(),
+    }
+
+
+# -- rendering -----------------------------------------------------------------------------------------------------
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.2f} GB"
+
+
+def _ms(x: float) -> str:
+    return f"{x:,.2f} ms"
+
+
+def summary_lines(report: dict) -> list[str]:
+    """The report's findings as sentences: the command prints them, and report.md and index.html start with them."""
+    i, p = report["inputs"], report["prediction"]
+    lo, hi = p["tpot_ms_range"]
+    where = f"{i['gpu']} ({i['bandwidth_gbps']:,.0f} GB/s)" if i["gpu"] else f"{i['bandwidth_gbps']:,.0f} GB/s"
+    lines = [
+        f"{i['model']} on {where}, context {i['context']:,} x batch {i['batch']}: TPOT {_ms(p['tpot_ms'])} at full "
+        f"bandwidth, {lo:,.2f}-{hi:,.2f} ms as published systems reach "
+        f"(weights alone {_ms(p['tpot_ms_weights_only'])})",
+        f"a step reads {_gb(p['weight_bytes_read'])} of weights and {_gb(p['kv_bytes'])} of KV "
+        f"({p['kv_bytes_per_token']:,} B per token in {p['kv_dtype']})",
+    ]
+    m = report["memory"]
+    if m is not None and m["free_for_kv_bytes"] <= 0:
+        lines.append(
+            f"memory ({m['memory_bytes'] / 1e9:g} GB, {m['memory_source']}): the weights alone need "
+            f"{_gb(m['weight_bytes'])}, so no KV fits; {m['devices_needed']} such devices hold weights + KV pooled "
+            "(pass --memory-gb with their total)"
+        )
+    elif m is not None:
+        fits = "fits" if m["fits"] else "does NOT fit"
+        lines.append(
+            f"memory ({m['memory_bytes'] / 1e9:g} GB, {m['memory_source']}): weights {_gb(m['weight_bytes'])} + KV "
+            f"{_gb(p['kv_bytes'])} {fits}; at most batch {m['max_batch_at_context']:,} at {i['context']:,} tokens, "
+            f"or {m['max_context_at_batch']:,} tokens at batch {i['batch']}"
+            + (
+                ""
+                if m["fits"]
+                else f"; {m['devices_needed']} such devices hold it pooled (pass --memory-gb with their total)"
+            )
+        )
+    for c in report["crossover"]:
+        where = f"{c['context']:,.0f} tokens" if c["within_max"] else "beyond the model's max context"
+        lines.append(f"KV equals weights at batch {c['batch']}: {where}")
+    for r in report["mitigations"]:
+        lines.append(f"{r['name']} (lesson {r['lesson']}): {_ms(r['tpot_ms'])}, {r['speedup']:.2f}x")
+    s = report["measured"]
+    if s is not None:
+        f = s["fit"]
+        lines.append(
+            f"this machine ({s['model']} on {s['device']}): the KV term reached {f['kv_bandwidth_fraction']:.0%} of "
+            f"the read bandwidth measured, the weight term {f['weight_bandwidth_fraction']:.0%} (R^2 {f['r2']:.3f})"
+        )
+    return lines
+
+
+def _plot_tpot(report: dict, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    i, m = report["inputs"], report["memory"]
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    for curve in report["curves"]:
+        ctx, tpot = curve["context"], curve["tpot_ms"]
+        fits = [m is None or need <= m["memory_bytes"] for need in curve["memory_needed_bytes"]]
+        line = ax.plot(ctx, [t if ok else None for t, ok in zip(tpot, fits, strict=True)], lw=2)[0]
+        line.set_label(f"batch {curve['batch']}")
+        # what does not fit in memory stays on the plot, dotted, so the trend reads through
+        ax.plot(ctx, [None if ok else t for t, ok in zip(tpot, fits, strict=True)], ":", color=line.get_color())
+        if curve["batch"] == i["batch"]:
+            lo, hi = zip(*curve["tpot_ms_range"], strict=True)
+            ax.fill_between(ctx, lo, hi, color=line.get_color(), alpha=0.15, label="what published systems reach")
+    p = report["prediction"]
+    ax.plot([i["context"]], [p["tpot_ms"]], "ko", label=f"yours: {i['context']:,} x {i['batch']}")
+    ax.set_xlabel("context (tokens per sequence)")
+    ax.set_ylabel("TPOT (ms)")
+    note = "; dotted: over memory" if m is not None else ""
+    ax.set_title(f"{i['model']}: bandwidth-bound TPOT against context{note}", fontsize=10)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _plot_mitigations(report: dict, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    p = report["prediction"]
+    names = ["as configured", *(r["name"] for r in report["mitigations"])]
+    tpots = [p["tpot_ms"], *(r["tpot_ms"] for r in report["mitigations"])]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(names) + 1.2))
+    ax.barh(names[::-1], tpots[::-1], color=["tab:blue"] * (len(names) - 1) + ["tab:gray"])
+    ax.axvline(p["tpot_ms_weights_only"], color="k", ls="--", lw=1, label="weights alone")
+    i = report["inputs"]
+    ax.set_xlabel(f"TPOT (ms) at {i['context']:,} tokens x batch {i['batch']}")
+    ax.legend(fontsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _plot_memory(report: dict, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    m, i = report["memory"], report["inputs"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot(m["curve"]["context"], [max(b, 0.5) for b in m["curve"]["max_batch"]], label="largest batch that fits")
+    ax.plot([i["context"]], [i["batch"]], "ko", label=f"yours: {i['context']:,} x {i['batch']}")
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens per sequence)")
+    ax.set_ylabel("sequences")
+    ax.set_title(f"KV beside {_gb(m['weight_bytes'])} of weights in {m['memory_bytes'] / 1e9:g} GB")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _sections(report: dict, images: dict[str, str]) -> list[tuple[str, str, str | None]]:
+    """(title, markdown body, image key or None) for each part of the page."""
+    i, p, b = report["inputs"], report["prediction"], report["breakdown"]
+    out = [("Summary", "\n".join(f"- {line}" for line in summary_lines(report)), None)]
+    rows = [
+        ["weights (all parameters)", _gb(b["weight_bytes"])],
+        ["weights read per step", f"{_gb(b['weight_bytes_read'])} ({b['active_params'] / 1e9:,.2f}B parameters)"],
+        ["KV per token", f"{b['kv_bytes_per_token']:,} B in {b['kv_dtype']}"],
+        [f"KV read, {i['context']:,} tokens x {i['batch']}", _gb(b["kv_bytes"])],
+        ["bytes per step", _gb(b["bytes_per_step"])],
+    ]
+    body = _md_table(["what", "bytes"], rows) + "\n\n" + "\n".join(f"- {n}" for n in b["notes"])
+    out.append(("Bytes per step", body, None))
+    lo, hi = p["tpot_ms_range"]
+    out.append(
+        (
+            "TPOT against context",
+            f"Bandwidth bound at {i['bandwidth_gbps']:,.0f} GB/s ({i['bandwidth_source']}); at your point "
+            f"{_ms(p['tpot_ms'])}, and {lo:,.2f}-{hi:,.2f} ms where {p['tpot_ms_range_basis']}. Batching shares the "
+            f"weight bytes, not the KV bytes (lesson 04, `{LESSONS['04']}`).",
+            "tpot",
+        )
+    )
+    m = report["memory"]
+    if m is None:
+        out.append(("Memory", "Not judged: give `--gpu` or `--memory-gb`.", None))
+    elif m["free_for_kv_bytes"] <= 0:
+        out.append(
+            (
+                "Memory",
+                f"The weights alone ({_gb(m['weight_bytes'])}) exceed {m['memory_bytes'] / 1e9:g} GB "
+                f"({m['memory_source']}): {m['devices_needed']} such devices hold weights + KV at your context and "
+                "batch. Rerun with `--memory-gb` set to their total to see the batch and context that fit.",
+                None,
+            )
+        )
+    else:
+        out.append(
+            (
+                "Memory",
+                f"{_gb(m['free_for_kv_bytes'])} left for KV beside the weights; {_gb(m['kv_bytes_per_sequence'])} per "
+                f"sequence at {i['context']:,} tokens: at most batch {m['max_batch_at_context']:,}, or "
+                f"{m['max_context_at_batch']:,} tokens at batch {i['batch']}. {m['caveat']}.",
+                "memory",
+            )
+        )
+    cross = [
+        [
+            str(c["batch"]),
+            _gb(c["weight_bytes_read"]),
+            f"{c['context']:,.0f}" if c["within_max"] else f"beyond max context ({i['max_seq_len']:,})",
+        ]
+        for c in report["crossover"]
+    ]
+    out.append(("Where KV equals weights", _md_table(["batch", "weights read", "context (tokens)"], cross), None))
+    mit = [["as configured", "", _ms(p["tpot_ms"]), "1.00x", _gb(p["memory_needed_bytes"]), ""]]
+    mit += [
+        [
+            r["name"],
+            r["lesson"],
+            _ms(r["tpot_ms"]),
+            f"{r['speedup']:.2f}x",
+            _gb(r["memory_needed_bytes"]),
+            f"`{' '.join(r['predict_flags'])}`",
+        ]
+        for r in report["mitigations"]
+    ]
+    header = ["mitigation", "lesson", "TPOT", "speedup", "weights + KV", "`kvlab predict` flags added"]
+    notes = "\n".join(
+        f"- {r['name']} (lesson {r['lesson']}, `{r['lesson_path']}`). Assumed: {r['assumption']}. "
+        f"Quality: {r['quality']}. Source: {r['citation']}."
+        for r in report["mitigations"]
+    )
+    out.append(
+        (
+            f"Mitigations at {i['context']:,} tokens x batch {i['batch']}",
+            _md_table(header, mit) + "\n\nWhat each assumes and what it costs in quality:\n\n" + notes,
+            "mitigations",
+        )
+    )
+    s = report["measured"]
+    if s is not None:
+        f = s["fit"]
+        out.append(
+            (
+                "Measured on this machine",
+                f"{s['model']} on {s['device']}: read bandwidth {s['bandwidth']['read_gbps']:.1f} GB/s; fit "
+                f"{f['slope_us_per_token']:.3f} us/token (predicted {f['predicted_slope_us_per_token']:.3f}), "
+                f"intercept {f['intercept_ms']:.2f} ms (predicted {f['predicted_intercept_ms']:.2f}), R^2 "
+                f"{f['r2']:.4f}. The KV term reached {f['kv_bandwidth_fraction']:.0%} of the read bandwidth and "
+                f"the weight term {f['weight_bandwidth_fraction']:.0%}: the same kind of figure as the published "
+                "systems' share of nominal bandwidth above.",
+                "measure",
+            )
+        )
+    return [(t, body, key if key in images else None) for t, body, key in out]
+
+
+def write_report(report: dict, out: str | Path, sweep=None, images: bool = True) -> list[Path]:
+    """Write ``report.json`` under ``out``, and with ``images`` the PNG plots, ``report.md`` and a self-contained
+    ``index.html`` (its images are data: URIs). Returns the paths written."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "report.json"]
+    written[0].write_text(json.dumps(report, indent=2) + "\n")
+    if not images:
+        return written
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed: the plots go to files
+    import matplotlib.pyplot as plt
+
+    pngs = {"tpot": out / PLOTS["tpot"], "mitigations": out / PLOTS["mitigations"]}
+    _plot_tpot(report, pngs["tpot"])
+    _plot_mitigations(report, pngs["mitigations"])
+    if report["memory"] is not None and report["memory"]["free_for_kv_bytes"] > 0:
+        pngs["memory"] = out / PLOTS["memory"]
+        _plot_memory(report, pngs["memory"])
+    if sweep is not None:
+        pngs["measure"] = out / PLOTS["measure"]
+        plt.close(sweep.plot(pngs["measure"]).figure)
+    written += pngs.values()
+    sections = _sections(report, pngs)
+    title = f"kvlab report: {report['inputs']['model']}"
+    md = [f"# {title}", ""]
+    for heading, body, key in sections:
+        md += [f"## {heading}", "", body, ""]
+        if key:
+            md += [f"![{heading}]({pngs[key].name})", ""]
+    (out / "report.md").write_text("\n".join(md))
+    (out / "index.html").write_text(_html(title, sections, pngs))
+    return [*written, out / "report.md", out / "index.html"]
+
+
+def _inline(markdown: str) -> str:
+    """The little markdown the sections use (code spans), escaped, as HTML."""
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(markdown))
+
+
+def _kind(line: str) -> str:
+    return "table" if line.startswith("|") else "list" if line.startswith("- ") else "text" if line else "blank"
+
+
+def _html_body(body: str) -> str:
+    """The sections' markdown (tables, bullet lists, paragraphs) as HTML, block by block."""
+    parts = []
+    for kind, group in groupby(body.splitlines(), key=_kind):
+        lines = list(group)
+        if kind == "table":
+            head, *rows = ([c.strip() for c in line.strip("|").split(" | ")] for line in lines if "---" not in line)
+            trs = ["".join(f"<th>{_inline(c)}</th>" for c in head)]
+            trs += ["".join(f"<td>{_inline(c)}</td>" for c in row) for row in rows]
+            parts.append("<table>" + "".join(f"<tr>{tr}</tr>" for tr in trs) + "</table>")
+        elif kind == "list":
+            parts.append("<ul>" + "".join(f"<li>{_inline(line[2:])}</li>" for line in lines) + "</ul>")
+        elif kind == "text":
+            parts.append(f"<p>{_inline(' '.join(lines))}</p>")
+    return "\n".join(parts)
+
+
+def _html(title: str, sections: list[tuple[str, str, str | None]], pngs: dict[str, Path]) -> str:
+    style = (
+        "body{font-family:system-ui,sans-serif;max-width:70rem;margin:2rem auto;padding:0 1rem;line-height:1.4}"
+        "table{border-collapse:collapse;margin:0.5rem 0}td,th{border:1px solid #ccc;padding:0.3rem 0.5rem;"
+        "vertical-align:top;font-size:0.9rem}th{background:#f3f3f3}img{max-width:100%}code{font-size:0.85rem}"
+    )
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<link rel="icon" href="data:,">',  # no favicon request: the page needs nothing beside itself
+        f"<title>{html.escape(title)}</title><style>{style}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+    ]
+    for heading, body, key in sections:
+        parts += [f"<h2>{html.escape(heading)}</h2>", _html_body(body)]
+        if key:
+            data = base64.b64encode(pngs[key].read_bytes()).decode()
+            parts.append(f'<img src="data:image/png;base64,{data}" alt="{html.escape(heading)}">')
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"
+
+
+def write_quality_table(measurements: str | Path = "docs/measurements.md") -> Path:
+    """Rebuild ``kvlab/data/quality_table.json`` from ``docs/measurements.md`` after the table there changes."""
+    path = Path(str(resources.files("kvlab.data").joinpath(QUALITY_JSON)))
+    table = quality_table_from_measurements(Path(measurements).read_text())
+    path.write_text(json.dumps(table, indent=2) + "\n")
+    return path
