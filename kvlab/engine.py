@@ -52,7 +52,13 @@ from kvlab.cache.paged import PagedKVCache
 from kvlab.config import ModelConfig
 from kvlab.model import Decoder
 from kvlab.presets import GPU, get_gpu
-from kvlab.roofline import active_params, decode_attention_flops, kv_bytes_per_token, weight_bytes_read
+from kvlab.roofline import (
+    active_params,
+    decode_attention_flops,
+    kv_bytes_per_step,
+    kv_bytes_per_token,
+    weight_bytes_read,
+)
 from kvlab.timing import Stopwatch
 from kvlab.validation import require_int
 
@@ -207,10 +213,12 @@ class SimulatedClock:
     A call whose rows hold ``n`` new tokens over ``c`` cached ones (each row) takes ``max(FLOPs / peak, bytes /
     bandwidth)`` (bytes / bandwidth without a peak), where
 
-    - bytes = ``weight_bytes_read(cfg, batch=sum n)`` + ``kv_bytes_per_token(cfg, kv_dtype) x sum(c + 2 n)``: the
-      weights once per call, and per row the K/V it attends over (``c + n``) plus the ``n`` it writes;
+    - bytes = ``weight_bytes_read(cfg, batch=sum n)``, the weights once per call; plus per row the K/V it attends
+      over, ``kv_bytes_per_step(cfg, c + n, kv_dtype=, window=, sinks=)`` (a local layer of ``cfg``, or a
+      ``window`` + ``sinks`` policy, reads only what it keeps), and the ``n`` tokens' K/V it writes;
     - FLOPs = ``2 x active_params(cfg) x sum n`` + attention's ``4 x layers x heads x head_dim`` per (query, key)
-      pair, ``sum(n c + n (n + 1) / 2)`` pairs (causal within the chunk).
+      pair, ``sum(n c + n (n + 1) / 2)`` pairs (causal within the chunk), every pair even where a window skips it
+      (decode is bound by bytes; the FLOPs matter for long prefill chunks).
 
     A step's calls add up: this engine runs its decode batch and each prefill chunk as calls of their own (a fused
     engine would read the weights once per step). Blocks are charged by the token, not whole.
@@ -222,26 +230,35 @@ class SimulatedClock:
         bandwidth_gbps: float,
         peak_flops_per_s: float | None = None,
         kv_dtype: str | None = None,
+        window: int | None = None,
+        sinks: int = 0,
     ) -> None:
         if not isinstance(bandwidth_gbps, (int, float)) or not bandwidth_gbps > 0:
             raise ValueError(f"bandwidth_gbps: {bandwidth_gbps!r}; allowed: a number of GB/s > 0")
         if peak_flops_per_s is not None and not peak_flops_per_s > 0:
             raise ValueError(f"peak_flops_per_s: {peak_flops_per_s!r}; allowed: None or a number of FLOP/s > 0")
         self.cfg, self.bandwidth_gbps, self.peak_flops_per_s = cfg, bandwidth_gbps, peak_flops_per_s
+        self.kv_dtype, self.window, self.sinks = kv_dtype, window, sinks
         self.kv_bytes_per_token = kv_bytes_per_token(cfg, kv_dtype)
+        kv_bytes_per_step(cfg, 0, 1, kv_dtype, window, sinks)  # refuses a bad window or sinks now, not mid-run
         self._t = 0.0
 
     @classmethod
-    def for_gpu(cls, cfg: ModelConfig, gpu: str | GPU, kv_dtype: str | None = None) -> SimulatedClock:
+    def for_gpu(
+        cls, cfg: ModelConfig, gpu: str | GPU, kv_dtype: str | None = None, window: int | None = None, sinks: int = 0
+    ) -> SimulatedClock:
         """A GPU preset's datasheet bandwidth and bf16 FLOP/s (``kvlab gpus`` lists them)."""
         spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
         peak = None if spec.bf16_tflops is None else spec.bf16_tflops * 1e12
-        return cls(cfg, spec.bandwidth_gbps, peak, kv_dtype)
+        return cls(cfg, spec.bandwidth_gbps, peak, kv_dtype, window, sinks)
 
     def call_bytes(self, call: ModelCall) -> int:
         new = sum(n for n, _ in call.rows)
-        kv_tokens = sum(cached + 2 * n for n, cached in call.rows)
-        return weight_bytes_read(self.cfg, batch=new) + self.kv_bytes_per_token * kv_tokens
+        read = sum(
+            kv_bytes_per_step(self.cfg, cached + n, 1, self.kv_dtype, self.window, self.sinks)
+            for n, cached in call.rows
+        )
+        return weight_bytes_read(self.cfg, batch=new) + read + self.kv_bytes_per_token * new
 
     def call_flops(self, call: ModelCall) -> int:
         pairs = sum(n * cached + n * (n + 1) // 2 for n, cached in call.rows)
@@ -298,7 +315,8 @@ class Engine:
     ``max_batch``: running requests at most. ``token_budget``: tokens one step computes (decodes, then prefill
     chunks). ``prefix_caching``: reuse the K/V of cached prompt blocks. ``clock``: ``"real"``, ``"simulated"``
     (with ``gpu=`` a preset name, or ``bandwidth_gbps=``), or any ``Clock`` such as a ``SimulatedClock`` of another
-    model's shape.
+    model's shape. ``kv_dtype``: what the blocks store (``kvlab.dtypes.KV_DTYPES``; default the model's dtype), and
+    what a simulated clock the engine builds charges.
     """
 
     def __init__(
@@ -307,6 +325,7 @@ class Engine:
         *,
         n_blocks: int,
         block_size: int = 16,
+        kv_dtype: str | None = None,
         max_batch: int = 8,
         token_budget: int = 512,
         prefix_caching: bool = True,
@@ -324,7 +343,10 @@ class Engine:
             token_budget,
             prefix_caching,
         )
-        self.cache = PagedKVCache.for_model(model, capacity=None, n_blocks=n_blocks, block_size=block_size)
+        self.kv_dtype = kv_dtype
+        self.cache = PagedKVCache.for_model(
+            model, capacity=None, n_blocks=n_blocks, block_size=block_size, codec=kv_dtype
+        )
         self.cache.free(self.cache.seq_ids[0])  # the pool starts with no sequences; admissions add them
         self.clock = self._make_clock(clock, gpu, bandwidth_gbps)
         self._waiting: deque[_Live] = deque()
@@ -336,8 +358,8 @@ class Engine:
             if (gpu is None) == (bandwidth_gbps is None):
                 raise ValueError("gpu, bandwidth_gbps: clock='simulated' takes exactly one of them")
             if gpu is not None:
-                return SimulatedClock.for_gpu(self.model.cfg, gpu)
-            return SimulatedClock(self.model.cfg, bandwidth_gbps)
+                return SimulatedClock.for_gpu(self.model.cfg, gpu, self.kv_dtype)
+            return SimulatedClock(self.model.cfg, bandwidth_gbps, kv_dtype=self.kv_dtype)
         if gpu is not None or bandwidth_gbps is not None:
             raise ValueError(f"gpu, bandwidth_gbps: only for clock='simulated'; clock is {clock!r}")
         if clock == "real":

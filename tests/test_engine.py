@@ -11,9 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvlab.cache.paged import PagedKVCache
 from kvlab.engine import Engine, ModelCall, Request, RunReport, SimulatedClock
 from kvlab.model import Decoder
-from kvlab.roofline import active_params, weight_bytes_read
+from kvlab.roofline import active_params, kv_bytes_per_step, kv_bytes_per_token, weight_bytes_read
 
 from .helpers import assert_greedy_picks, tiny_config
 
@@ -75,6 +76,22 @@ def test_batched_run_equals_each_request_alone(model: Decoder) -> None:
     assert report.preemptions == 0 and report.steps > 0
     assert report.output_tokens == sum(r.max_new_tokens for r in requests)
     check_run(engine, model, requests)  # the engine serves a second run from the same pool
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_a_quantized_pool_serves_what_the_same_cache_gives_alone(model: Decoder, kv_dtype: str) -> None:
+    # Codes are grouped within one token's channels, so chunking and batching do not change what is stored.
+    requests = mixed_requests(1, 6, spacing_s=0.0)
+    engine = Engine(model, n_blocks=64, block_size=4, max_batch=3, token_budget=8, kv_dtype=kv_dtype)
+    report = engine.run(requests)
+    for request, result in zip(requests, report.results, strict=True):
+        cache = PagedKVCache.for_model(model, capacity=64, block_size=4, codec=kv_dtype)
+        assert (
+            result.output_ids == model.generate(list(request.prompt_ids), request.max_new_tokens, cache=cache).tolist()
+        )
+    assert engine.cache.codec == kv_dtype and engine.free_blocks == engine.n_blocks
+    charged = Engine(model, n_blocks=8, kv_dtype="int8", clock="simulated", bandwidth_gbps=1.0).clock
+    assert charged.kv_bytes_per_token == kv_bytes_per_token(CFG, "int8")
 
 
 def test_preemption_by_recompute_keeps_the_tokens(model: Decoder) -> None:
@@ -222,6 +239,29 @@ def test_simulated_latencies_follow_the_byte_model(model: Decoder) -> None:
     assert report.goodput(ttft_ms=1e3, tpot_ms=tpot_ms * 1.01) == pytest.approx(2 / total, rel=1e-12)
     assert report.goodput(ttft_ms=1e3, tpot_ms=tpot_ms * 0.99) == 0
     assert report.metrics()["p99_tpot_ms"] == pytest.approx(tpot_ms, rel=1e-9)
+
+
+def test_simulated_clock_reads_only_what_a_window_keeps() -> None:
+    # A decode row over 1,000 cached tokens: a window of 100 + 4 sinks reads 104 of them per layer, int8 codes
+    # shrink each; the model's own local layers read their window. The token written is charged in full either way.
+    call = ModelCall(((1, 1000),))
+    full = SimulatedClock(CFG, 1.0)
+    per_token = kv_bytes_per_token(CFG)
+    assert full.call_bytes(call) == weight_bytes_read(CFG, batch=1) + per_token * 1001 + per_token
+    windowed = SimulatedClock(CFG, 1.0, window=100, sinks=4)
+    assert windowed.call_bytes(call) == weight_bytes_read(CFG, batch=1) + per_token * 104 + per_token
+    int8 = SimulatedClock(CFG, 1.0, kv_dtype="int8", window=100, sinks=4)
+    assert int8.call_bytes(call) - weight_bytes_read(CFG, batch=1) == kv_bytes_per_step(
+        CFG, 1001, 1, "int8", 100, 4
+    ) + kv_bytes_per_token(CFG, "int8")
+    local = CFG.replace(layer_windows=(16,) + (None,) * (CFG.n_layers - 1))
+    assert (
+        SimulatedClock(local, 1.0).call_bytes(call)
+        == weight_bytes_read(local, batch=1) + kv_bytes_per_step(local, 1001) + per_token
+    )
+    assert kv_bytes_per_step(local, 1001) < per_token * 1001
+    with pytest.raises(ValueError, match="sinks"):
+        SimulatedClock(CFG, 1.0, sinks=4)
 
 
 def test_simulated_clock_charges_flops_where_they_bind() -> None:
