@@ -25,6 +25,7 @@ from kvlab.course import (
     lesson07_window_sinks,
     lesson08_heavy_hitters,
     lesson09_kv_quantization,
+    lesson10_speculative_decoding,
 )
 from kvlab.engine import Engine, Request, RequestResult, RunReport, SimulatedClock
 from kvlab.model import Decoder
@@ -470,3 +471,52 @@ check_quantized_bytes = _hidden(lesson09_kv_quantization.check_quantized_bytes)
 check_kivi_bytes = _hidden(lesson09_kv_quantization.check_kivi_bytes)
 check_fp8_kv_tpot = _hidden(lesson09_kv_quantization.check_fp8_kv_tpot)
 check_kivi_error = _hidden(lesson09_kv_quantization.check_kivi_error)
+
+# -- lesson 10 (its hidden cases and checks go here) --
+# Other vocabularies and k; a rejection at the last draft, matches after a rejection, k = 1 both ways, a tie at the
+# first draft; a = 0 exactly, a near 1, large k; counts with no acceptance at all and short last steps; other byte
+# sizes (a draft almost as big as the target); verify costs of other shapes; other models, GPUs, batches and
+# contexts (a made-up fp32 pair on an L4).
+CASES.update(
+    {
+        "check_accept_greedy": (
+            (300, 7, 7, 11),
+            (300, 7, 6, 12),
+            (300, 7, 3, 13, True),
+            (17, 1, 0, 14),
+            (17, 1, 1, 15),
+            (64, 0, 0, 16),
+            (40, 6, 0, 17, True, True),
+        ),
+        "check_expected_tokens": ((0.95, 15), (0.3, 2), (0.5, 0), (1.0, 1), (0.0, 0), (0.999, 7), (0.42, 11)),
+        "check_acceptance_estimate": (
+            ((0, 0, 0), (3, 3, 3)),
+            ((7, 7, 2, 7, 0), (7, 7, 7, 7, 2)),
+            ((1, 0, 1, 1, 0, 0), (1, 1, 1, 1, 1, 0)),
+            ((6, 6, 5, 2), (6, 6, 5, 3)),
+        ),
+        "check_byte_speedup": (
+            (123_456_789, 9_876_543, 7, 0.55),
+            (2_000_000_000, 0, 12, 0.97),
+            (1_000, 999, 2, 0.33),
+            (5_000_000, 100_000, 0, 0.9),
+        ),
+        "check_refined_speedup": (
+            (0.7, 3, {n: 4.0 * n**0.5 for n in range(1, 9)}, 0.3),
+            (0.97, 6, {n: 20.0 + n for n in range(1, 10)}, 2.0),
+            (0.5, 2, {1: 1.0, 2: 3.0, 3: 2.5}, 0.0),
+        ),
+        "check_spec_roofline": (
+            ("llama-2-70b", "llama-2-7b", "a100-80gb-sxm", 4, 2048, 8, 0.76),
+            ("llama-3.1-405b", "llama-3.1-8b", "b200-hgx", 32, 8192, 6, 0.85),
+            (_GQA, _ODD_A, "l4", 3, 777, 3, 0.5),
+            ("llama-3.1-70b", "llama-3.1-8b", "h200-sxm", 512, 1024, 2, 0.9),
+        ),
+    }
+)
+check_accept_greedy = _hidden(lesson10_speculative_decoding.check_accept_greedy)
+check_expected_tokens = _hidden(lesson10_speculative_decoding.check_expected_tokens)
+check_acceptance_estimate = _hidden(lesson10_speculative_decoding.check_acceptance_estimate)
+check_byte_speedup = _hidden(lesson10_speculative_decoding.check_byte_speedup)
+check_refined_speedup = _hidden(lesson10_speculative_decoding.check_refined_speedup)
+check_spec_roofline = _hidden(lesson10_speculative_decoding.check_spec_roofline)

@@ -111,6 +111,14 @@ from kvlab.course.lesson09_kv_quantization import (
     check_quantize,
     check_quantized_bytes,
 )
+from kvlab.course.lesson10_speculative_decoding import (
+    check_accept_greedy,
+    check_acceptance_estimate,
+    check_byte_speedup,
+    check_expected_tokens,
+    check_refined_speedup,
+    check_spec_roofline,
+)
 
 __all__ = [
     "ABSORBED_MAX_SHARE",
@@ -133,6 +141,8 @@ __all__ = [
     "check_absorbed_intensity",
     "check_absorbed_share",
     "check_absorbed_step",
+    "check_accept_greedy",
+    "check_acceptance_estimate",
     "check_achieved_fraction",
     "check_allocation_waste",
     "check_batch_for_tpot",
@@ -140,6 +150,7 @@ __all__ = [
     "check_block_hashes",
     "check_blocks_needed",
     "check_break_even_steps",
+    "check_byte_speedup",
     "check_cascade_bytes",
     "check_cascade_slopes",
     "check_chat_time",
@@ -152,6 +163,7 @@ __all__ = [
     "check_dequantize",
     "check_environment_report",
     "check_error_audit",
+    "check_expected_tokens",
     "check_fit_tpot",
     "check_fixed_overhead",
     "check_fp8_kv_tpot",
@@ -179,11 +191,13 @@ __all__ = [
     "check_quick_mode",
     "check_reassigned_positions",
     "check_recall_kept",
+    "check_refined_speedup",
     "check_request_metrics",
     "check_ridge_intensity",
     "check_roofline_time_ms",
     "check_sink_gain",
     "check_slope_band",
+    "check_spec_roofline",
     "check_split_slope",
     "check_step_bytes",
     "check_stream_ms",

@@ -153,18 +153,29 @@ def speculative_generate(
     )
 
 
+def accept_greedy(logits: torch.Tensor, drafts: Sequence[int]) -> tuple[int, int]:
+    """Greedy verification: how many ``drafts`` the target keeps, and the token it adds after them.
+
+    ``logits``: ``[n + 1, V]``, the target's prediction at each drafted position and after the last. Drafts are
+    kept while each equals the argmax of its row; the added token is the argmax of the row after the last kept
+    draft (the correction, or a bonus token when all were kept). Ties go to the lowest id, as ``argmax`` breaks
+    them, so the output is the target's own greedy output.
+    """
+    best = logits.argmax(dim=-1).tolist()
+    n_ok = next((i for i, d in enumerate(drafts) if d != best[i]), len(drafts))
+    return n_ok, best[n_ok]
+
+
 def _accept(
     logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, temperature: float, gen: torch.Generator | None
 ) -> tuple[int, int]:
-    """How many ``drafts`` the target keeps, and the token it adds after them.
+    """How many ``drafts`` the target keeps, and the token it adds after them (``accept_greedy`` at temperature 0).
 
     ``logits``: ``[n + 1, V]``, the target's prediction at each drafted position and after the last.
     ``q``: the drafter's probabilities for each draft, ``[n, V]`` (``None``: the drafts were certain guesses).
     """
     if temperature == 0:
-        best = logits.argmax(dim=-1).tolist()
-        n_ok = next((i for i, d in enumerate(drafts) if d != best[i]), len(drafts))
-        return n_ok, best[n_ok]
+        return accept_greedy(logits, drafts)
     p = torch.softmax(logits / temperature, dim=-1)
     for i, d in enumerate(drafts):
         q_d = 1.0 if q is None else float(q[i, d])
