@@ -130,6 +130,14 @@ def test_accept_greedy_slips():
 
     assert_fails(checks.check_accept_greedy, last_max, match="n_accepted")
 
+    def equal_logit(logits, drafts):  # keeps a draft whose logit ties the maximum, whatever argmax picks
+        n = 0
+        while n < len(drafts) and logits[n, drafts[n]] == logits[n].max():
+            n += 1
+        return n, int(logits[n].argmax())
+
+    assert_fails(checks.check_accept_greedy, equal_logit, match="has a tie: draft")
+
     def todo(logits, drafts):
         raise NotImplementedError
 
@@ -200,6 +208,16 @@ def test_spec_roofline_slips():
 
     assert_fails(checks.check_spec_roofline, per_round, match="time per round")
     assert_fails(checks.check_spec_roofline, lambda *args: 1.0, match="a tuple of two numbers")
+
+    def weights_of_one(target, draft, gpu, batch, context, k, a):
+        n_bytes = roofline.weight_bytes_read(target) + roofline.kv_bytes_per_step(target, context, batch)
+        flops = roofline.decode_flops(target, context, batch)
+        return roofline.roofline_time_ms(flops, n_bytes, gpu.bf16_tflops * 1e12, gpu.bandwidth_gbps), 0.0
+
+    batch_64 = [("llama-3.1-70b", "llama-3.1-8b", "h100-sxm", 64, 4096, 4, 0.8)]  # batch 1 reads as batch 1 does
+    assert_fails(
+        checks.check_spec_roofline, weights_of_one, cases=batch_64, match="pass batch=batch to weight_bytes_read"
+    )
 
 
 # -- hidden checks never show the expected value ---------------------------------------------------------------------

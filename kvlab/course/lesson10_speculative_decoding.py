@@ -99,7 +99,14 @@ def check_accept_greedy(
         best = logits.argmax(-1).tolist()
         if n != want_n:
             slip = ""
-            if reveal and n == sum(d == b for d, b in zip(drafts, best, strict=False)):
+            tied = want_n < len(drafts) and bool(logits[want_n, drafts[want_n]] == logits[want_n].max())
+            if reveal and tied and n > want_n:
+                slip = (
+                    f" Row {want_n} has a tie: draft {drafts[want_n]} has the largest logit, but so does a lower id, "
+                    "and argmax (torch's, on a tie) picks the lowest id. Compare the draft's id with the argmax, not "
+                    "its logit with the maximum."
+                )
+            elif reveal and n == sum(d == b for d, b in zip(drafts, best, strict=False)):
                 slip = " It counts every draft equal to its row's argmax: stop at the first one that differs."
             elif reveal and n == want_n + 1:
                 slip = " It is one too many: the first draft that differs is rejected, not kept."
@@ -287,19 +294,24 @@ def check_refined_speedup(
 
 
 # -- exercise 6: a real pair on a GPU's roofline, against batch --------------------------------------------------------
+def _step_ms(cfg: ModelConfig, gpu: GPU, batch: int, context: int, positions: int, weights_batch: int) -> float:
+    """One step of ``batch`` sequences at ``context`` tokens over ``positions`` positions, on ``gpu``'s roofline
+    (dense bf16 peak, nominal bandwidth); the weights read as by a batch of ``weights_batch``."""
+    n_bytes = weight_bytes_read(cfg, batch=weights_batch) + kv_bytes_per_step(cfg, context, batch)
+    return roofline_time_ms(decode_flops(cfg, context, positions), n_bytes, gpu.bf16_tflops * 1e12, gpu.bandwidth_gbps)
+
+
 def _roofline_steps(
     target: ModelConfig, draft: ModelConfig, gpu: GPU, batch: int, context: int, k: int
 ) -> tuple[float, float, float]:
-    """(plain step, verify step, draft step) in ms on ``gpu``'s roofline (dense bf16 peak, nominal bandwidth) for
-    ``batch`` sequences at ``context`` tokens. Each step reads ``weight_bytes_read(cfg, batch=batch) +
-    kv_bytes_per_step(cfg, context, batch)``; the verify step does the FLOPs of ``batch x (k + 1)`` positions."""
-    peak, bw = gpu.bf16_tflops * 1e12, gpu.bandwidth_gbps
-
-    def step(cfg: ModelConfig, positions: int) -> float:
-        n_bytes = weight_bytes_read(cfg, batch=batch) + kv_bytes_per_step(cfg, context, batch)
-        return roofline_time_ms(decode_flops(cfg, context, positions), n_bytes, peak, bw)
-
-    return step(target, batch), step(target, batch * (k + 1)), step(draft, batch)
+    """(plain step, verify step, draft step) in ms for ``batch`` sequences at ``context`` tokens. Each step reads
+    ``weight_bytes_read(cfg, batch=batch) + kv_bytes_per_step(cfg, context, batch)``; the verify step does the FLOPs
+    of ``batch x (k + 1)`` positions."""
+    return (
+        _step_ms(target, gpu, batch, context, batch, batch),
+        _step_ms(target, gpu, batch, context, batch * (k + 1), batch),
+        _step_ms(draft, gpu, batch, context, batch, batch),
+    )
 
 
 _ROOFLINE_CASES = (
@@ -333,7 +345,20 @@ def check_spec_roofline(
             "Per step: roofline_time_ms(decode_flops(cfg, context, positions), weight_bytes_read(cfg, batch=batch) "
             "+ kv_bytes_per_step(cfg, context, batch), bf16_tflops x 1e12, bandwidth_gbps)."
         )
-        _close(f"{label} plain_ms", got[0], plain, "ms", "Plain: one target step, positions = batch. " + fix, reveal)
+        unbatched = (
+            _step_ms(target, gpu, batch, context, batch, 1),
+            "It reads the weights as a batch of 1 does: pass batch=batch to weight_bytes_read (each sequence reads "
+            "its own rows of an untied input embedding).",
+        )
+        _close(
+            f"{label} plain_ms",
+            got[0],
+            plain,
+            "ms",
+            "Plain: one target step, positions = batch. " + fix,
+            reveal,
+            slips=(unbatched,) if unbatched[0] != plain else (),
+        )
         slips = (
             (
                 (plain + k * one_draft) / tokens,
@@ -341,8 +366,8 @@ def check_spec_roofline(
                 "batch * (k + 1))), not batch: that is what makes a large batch compute-bound.",
             ),
             (verify / tokens, "It leaves out the k draft steps."),
-            (verify + k * one_draft, "It is the time per round: divide by expected_tokens_per_step(a, k)."),
-            ((verify + k * one_draft) / (k + 1), "It divides by k + 1: use expected_tokens_per_step(a, k)."),
+            (verify + k * one_draft, "It is the time per round: divide by expected_tokens(a, k)."),
+            ((verify + k * one_draft) / (k + 1), "It divides by k + 1: use expected_tokens(a, k)."),
         )
-        fix = "Speculative: (verify step + k draft steps) / expected_tokens_per_step(a, k). " + fix
+        fix = "Speculative: (verify step + k draft steps) / expected_tokens(a, k). " + fix
         _close(f"{label} spec_ms", got[1], (verify + k * one_draft) / tokens, "ms", fix, reveal, slips=slips)
