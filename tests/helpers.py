@@ -67,3 +67,15 @@ def assert_fails(check, *args, match: str, **kwargs) -> str:
     with pytest.raises(AssertionError, match=match) as info:
         check(*args, **kwargs)
     return str(info.value)
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """``kvlab *argv`` in this process: (exit status, stdout, stderr)."""
+    from kvlab.cli import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -5,21 +5,13 @@ import sys
 import pytest
 
 from kvlab import get_model
-from kvlab.cli import main, parse_tokens
+from kvlab.cli import parse_tokens
 from kvlab.roofline import param_count
-
-
-def run(capsys, *argv):
-    try:
-        code = main(list(argv))
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
+from tests.helpers import run_cli
 
 
 def test_predict_reproduces_the_worked_example(capsys):
-    code, out, _ = run(capsys, "predict", "--model", "llama-3.1-70b", "--gpu", "h100-sxm", "--context", "30000")
+    code, out, _ = run_cli(capsys, "predict", "--model", "llama-3.1-70b", "--gpu", "h100-sxm", "--context", "30000")
     assert code == 0
     assert "327,680 B" in out and "9.83 GB" in out and "141.11 GB" in out and "45.06 ms" in out
     assert "more than one h100-sxm's 80 GB" in out
@@ -27,22 +19,24 @@ def test_predict_reproduces_the_worked_example(capsys):
 
 def test_predict_speculation_divides_the_round_by_the_expected_tokens(capsys):
     base = ["predict", "--model", "llama-3.1-70b", "--gpu", "h100-sxm", "--context", "8k", "--json"]
-    _, plain, _ = run(capsys, *base)
-    code, out, _ = run(capsys, *base, "--speculate", "4", "--acceptance", "0.5", "--draft-model", "llama-3.1-8b")
+    _, plain, _ = run_cli(capsys, *base)
+    code, out, _ = run_cli(capsys, *base, "--speculate", "4", "--acceptance", "0.5", "--draft-model", "llama-3.1-8b")
     assert code == 0
     step, spec = json.loads(plain)["bytes_per_step"], json.loads(out)["speculative"]
-    _, draft, _ = run(capsys, "predict", "--model", "llama-3.1-8b", "--gpu", "h100-sxm", "--context", "8k", "--json")
+    _, draft, _ = run_cli(
+        capsys, "predict", "--model", "llama-3.1-8b", "--gpu", "h100-sxm", "--context", "8k", "--json"
+    )
     draft_step = json.loads(draft)["bytes_per_step"]
     tokens = 1 + 0.5 + 0.25 + 0.125 + 0.0625
     assert spec["draft_bytes_per_step"] == draft_step and spec["tokens_per_step"] == tokens
     assert spec["bytes_per_token"] == (step + 4 * draft_step) / tokens
-    code, out, _ = run(capsys, *base[:-1], "--speculate", "3", "--acceptance", "0.8")
+    code, out, _ = run_cli(capsys, *base[:-1], "--speculate", "3", "--acceptance", "0.8")
     assert code == 0 and "k=3 drafts at acceptance 0.8: 2.95 tokens per verify step" in out
     assert "a drafter that reads no bytes (prompt lookup)" in out and "TPOT, speculative" in out
 
 
 def test_predict_json_fields(capsys):
-    code, out, _ = run(
+    code, out, _ = run_cli(
         capsys,
         "predict",
         "--model",
@@ -70,22 +64,22 @@ def test_predict_json_fields(capsys):
 
 def test_predict_window_sinks_and_shared_prefix(capsys):
     base = ["predict", "--model", "llama-3.1-8b", "--bandwidth", "300", "--context", "32k", "--batch", "8", "--json"]
-    full = json.loads(run(capsys, *base)[1])
-    windowed = json.loads(run(capsys, *base, "--window", "1020", "--sinks", "4")[1])
-    shared = json.loads(run(capsys, *base, "--shared-prefix", "16k")[1])
+    full = json.loads(run_cli(capsys, *base)[1])
+    windowed = json.loads(run_cli(capsys, *base, "--window", "1020", "--sinks", "4")[1])
+    shared = json.loads(run_cli(capsys, *base, "--shared-prefix", "16k")[1])
     per_token = full["kv_bytes_per_token"]
     assert full["kv_bytes"] == 8 * 32768 * per_token
     assert windowed["kv_bytes"] == 8 * 1024 * per_token
     assert shared["kv_bytes"] == (16384 + 8 * 16384) * per_token
     assert (windowed["window"], windowed["sinks"], shared["shared_prefix"]) == (1020, 4, 16384)
-    int4 = json.loads(run(capsys, *base, "--kv-dtype", "int4", "--group-size", "32")[1])
+    int4 = json.loads(run_cli(capsys, *base, "--kv-dtype", "int4", "--group-size", "32")[1])
     assert int4["kv_bytes_per_token"] == per_token * (0.5 + 4 / 32) / 2  # bf16 is 2 bytes an element
 
 
 def test_predict_charges_a_moe_step_the_experts_it_reads(capsys):
     base = ["predict", "--model", "deepseek-v3", "--gpu", "h200-sxm", "--context", "8k", "--json"]
-    one = json.loads(run(capsys, *base, "--batch", "1")[1])
-    many = json.loads(run(capsys, *base, "--batch", "256")[1])
+    one = json.loads(run_cli(capsys, *base, "--batch", "1")[1])
+    many = json.loads(run_cli(capsys, *base, "--batch", "256")[1])
     assert one["active_params"] / 1e9 == pytest.approx(37, abs=1)  # DeepSeek's "37B activated"
     assert one["weight_dtypes"] == {"embeddings": "bf16", "experts": "fp8", "other": "fp8"}
     assert one["weight_bytes_read"] < 0.06 * one["weight_bytes"] < many["weight_bytes_read"]
@@ -95,13 +89,13 @@ def test_predict_charges_a_moe_step_the_experts_it_reads(capsys):
         assert data["tpot_ms"] == pytest.approx(data["bytes_per_step"] / 4.8e12 * 1e3)
         lo, hi = data["tpot_ms_range"]
         assert data["tpot_ms"] < lo < hi
-    bf16 = json.loads(run(capsys, *base, "--weight-dtype", "bf16")[1])
+    bf16 = json.loads(run_cli(capsys, *base, "--weight-dtype", "bf16")[1])
     assert (bf16["weight_dtype"], bf16["weight_bytes"]) == ("bf16", 2 * param_count(get_model("deepseek-v3")))
     assert set(bf16["weight_dtypes"].values()) == {"bf16"}
 
 
 def test_predict_table_names_the_read_bytes_and_the_published_range(capsys):
-    code, out, _ = run(capsys, "predict", "--model", "gpt-oss-120b", "--gpu", "h100-sxm", "--context", "8k")
+    code, out, _ = run_cli(capsys, "predict", "--model", "gpt-oss-120b", "--gpu", "h100-sxm", "--context", "8k")
     assert code == 0
     assert "in bf16 (experts mxfp4)" in out and "4.0 of 128 routed experts" in out
     assert "TPOT, real systems" in out and "published decode measurements" in out
@@ -109,10 +103,10 @@ def test_predict_table_names_the_read_bytes_and_the_published_range(capsys):
 
 def test_predict_weight_group_size_and_input_embedding(capsys):
     base = ["predict", "--model", "llama-3.1-8b", "--bandwidth", "1000", "--context", "1k", "--json"]
-    bf16 = json.loads(run(capsys, *base)[1])
-    int4 = json.loads(run(capsys, *base, "--weight-dtype", "int4", "--weight-group-size", "64")[1])
+    bf16 = json.loads(run_cli(capsys, *base)[1])
+    int4 = json.loads(run_cli(capsys, *base, "--weight-dtype", "int4", "--weight-group-size", "64")[1])
     assert int4["weight_bytes"] == round(bf16["weight_bytes"] / 2 * 0.5625)
-    rows = json.loads(run(capsys, *base, "--input-embedding", "rows")[1])
+    rows = json.loads(run_cli(capsys, *base, "--input-embedding", "rows")[1])
     assert bf16["weight_bytes_read"] - rows["weight_bytes_read"] == (128256 - 1) * 4096 * 2
 
 
@@ -133,7 +127,7 @@ def test_predict_reads_a_hugging_face_config(tmp_path, capsys):
     from kvlab import get_model
 
     (tmp_path / "config.json").write_text(json.dumps(get_model("llama-3.1-70b").to_hf_config()))
-    code, out, _ = run(
+    code, out, _ = run_cli(
         capsys,
         "predict",
         "--config",
@@ -207,7 +201,7 @@ def test_predict_reads_a_hugging_face_config(tmp_path, capsys):
     ],
 )
 def test_bad_arguments_give_one_line_naming_them_and_exit_2(capsys, argv, names):
-    code, out, err = run(capsys, *argv)
+    code, out, err = run_cli(capsys, *argv)
     assert code == 2
     assert err.count("\n") == 1, err
     for name in names:
@@ -219,10 +213,10 @@ def test_token_counts_accept_k_suffix():
 
 
 def test_models_and_gpus_list_the_presets(capsys):
-    _, out, _ = run(capsys, "models")
+    _, out, _ = run_cli(capsys, "models")
     assert "llama-3.1-70b" in out and "deepseek-v3" in out and "no: mixture-of-experts" in out
     assert "163,840" in out  # deepseek-v3's context
-    _, out, _ = run(capsys, "gpus")
+    _, out, _ = run_cli(capsys, "gpus")
     assert "h200-sxm" in out and "4,800 GB/s" in out
     assert "165.2 TF/s*" in out and "rtx-4090: BF16 165.2 and FP8 330.3 are with FP32 accumulate" in out
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from kvlab.cli import main
 from kvlab.presets import model_presets
 from kvlab.report import LESSONS, quality_table, quality_table_from_measurements
 from kvlab.roofline import crossover_context
+from tests.helpers import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 GPU = ["--gpu", "h100-sxm"]
@@ -55,24 +55,15 @@ LOCAL_GLOBAL = {
 }
 
 
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def predict_json(capsys, *argv: str) -> dict:
-    code, out, err = run(capsys, "predict", *argv, "--json")
+    code, out, err = run_cli(capsys, "predict", *argv, "--json")
     assert code == 0, err
     return json.loads(out)
 
 
 def report(capsys, tmp_path: Path, *argv: str, json_only: bool = True) -> dict:
     out = tmp_path / "out"
-    code, printed, err = run(capsys, "report", *argv, *(["--json-only"] if json_only else []), "--out", str(out))
+    code, printed, err = run_cli(capsys, "report", *argv, *(["--json-only"] if json_only else []), "--out", str(out))
     assert code == 0, err
     assert printed.splitlines()[-1].startswith("wrote ")
     return json.loads((out / "report.json").read_text())
@@ -224,7 +215,7 @@ def test_memory_gb_overrides_the_gpu_and_bandwidth_alone_leaves_memory_unjudged(
     ],
 )
 def test_bad_input_names_the_flag(capsys, tmp_path: Path, argv: list[str], message: str) -> None:
-    code, out, err = run(capsys, "report", *argv, *GPU, "--out", str(tmp_path / "out"))
+    code, out, err = run_cli(capsys, "report", *argv, *GPU, "--out", str(tmp_path / "out"))
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
 
@@ -232,14 +223,14 @@ def test_bad_input_names_the_flag(capsys, tmp_path: Path, argv: list[str], messa
 def test_an_out_folder_that_cannot_be_written_is_named(capsys, tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
-    code, _, err = run(capsys, "report", "--model", "llama-3.1-8b", *GPU, "--out", str(blocker / "report"))
+    code, _, err = run_cli(capsys, "report", "--model", "llama-3.1-8b", *GPU, "--out", str(blocker / "report"))
     assert code == 2 and err.startswith("kvlab report: error: --out: ") and "allowed:" in err
 
 
 def test_a_config_missing_a_key_is_named(capsys, tmp_path: Path) -> None:
     config = tmp_path / "config.json"
     config.write_text(json.dumps({k: v for k, v in QWEN_LIKE.items() if k != "hidden_size"}))
-    code, _, err = run(capsys, "report", "--config", str(config), *GPU, "--out", str(tmp_path / "out"))
+    code, _, err = run_cli(capsys, "report", "--config", str(config), *GPU, "--out", str(tmp_path / "out"))
     assert code == 2 and "--config:" in err and "missing hidden_size" in err
 
 
