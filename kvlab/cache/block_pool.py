@@ -9,6 +9,10 @@ depend on every earlier token). A hit is verified against the stored token ids a
 so a hash collision can only cost a miss, never return another prefix's K/V. A freed block that is registered
 stays in the pool as reusable cache until an allocation needs it; allocations take never-cached blocks first,
 then evict cached ones least recently used first.
+
+Holes: a sliding window returns the blocks a sequence will never read again to the pool (``release_block``); the
+table keeps their index as ``HOLE``, so table index ``i`` still holds positions ``i * block_size ..``. A hole is
+never read, forked, copied or released again.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from dataclasses import dataclass, field
 
 from kvlab.cache.base import CacheCapacityError
 from kvlab.validation import require_int
+
+HOLE = -1  # a released entry of a block table: not a block id, so an index that reached it would raise
 
 
 class PoolExhaustedError(CacheCapacityError):
@@ -150,7 +156,7 @@ class BlockPool:
     def fork(self, seq_id: int) -> int:
         """A new sequence sharing every block of ``seq_id``; a shared block is copied only when one writes to it."""
         parent = self._seq(seq_id)
-        for block in parent.blocks:
+        for block in _held(parent.blocks):
             self._ref[block] += 1
         child_id = next(self._ids)
         tail = None if parent.tail is None else list(parent.tail)
@@ -161,7 +167,7 @@ class BlockPool:
         """Drop a sequence. Its registered blocks stay cached; tail blocks go first, so its prefix outlives them."""
         seq = self._seq(seq_id)
         del self._seqs[seq_id]
-        for block in reversed(seq.blocks):
+        for block in reversed(_held(seq.blocks)):
             self._release(block)
 
     def truncate(self, seq_id: int, length: int) -> None:
@@ -176,7 +182,12 @@ class BlockPool:
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= seq.length:
             raise ValueError(f"length: {length!r}; allowed: an integer in [0, {seq.length}]")
         keep = math.ceil(length / self.block_size)
-        for block in reversed(seq.blocks[keep:]):
+        if HOLE in seq.blocks[:keep]:  # the tokens of a released block are gone: no length past it comes back
+            first_hole = seq.blocks.index(HOLE)
+            raise ValueError(
+                f"length: {length}; allowed: at most {first_hole * self.block_size} (blocks past it were released)"
+            )
+        for block in reversed(_held(seq.blocks[keep:])):
             self._release(block)
         del seq.blocks[keep:]
         n_full, partial = divmod(length, self.block_size)
@@ -229,6 +240,19 @@ class BlockPool:
             self._grow(seq, n_tokens, None if token_ids is None else token_ids[i])
         return Grant(copies, victims)
 
+    def release_block(self, seq_id: int, index: int) -> None:
+        """Give back entry ``index`` of a sequence's table (a sliding window no longer reads it): the entry becomes
+        a ``HOLE``. The block returns to the pool once no other sequence holds it; a registered one then stays
+        cached (a later prompt with the same prefix may still hit it) until an allocation evicts it. A partly filled
+        last block stays: the next step writes into it."""
+        seq = self._seq(seq_id)
+        n_full = len(seq.blocks) - (seq.length % self.block_size > 0)  # a partly filled last block is written
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < n_full:
+            raise ValueError(f"index: {index!r}; allowed: an integer in [0, {n_full}) (a full block's entry)")
+        if seq.blocks[index] != HOLE:
+            self._release(seq.blocks[index])
+            seq.blocks[index] = HOLE
+
     # -- internals --------------------------------------------------------------------------------------------
     def _seq(self, seq_id: int) -> _Seq:
         if seq_id not in self._seqs:
@@ -262,7 +286,7 @@ class BlockPool:
                     "pass preempt=True, or build the pool with more blocks."
                 )
             victims.append(candidates.pop(0))
-            for block in self._seqs[victims[-1]].blocks:
+            for block in _held(self._seqs[victims[-1]].blocks):
                 ref[block] -= 1
                 n_free += ref[block] == 0
         return victims
@@ -314,3 +338,8 @@ class BlockPool:
             self._entries[block] = entry
             self._by_hash[key] = block
         seq.last_hash, seq.last_serial, seq.tail = key, entry.serial, []
+
+
+def _held(blocks: list[int]) -> list[int]:
+    """A table's block ids without its holes."""
+    return [b for b in blocks if b != HOLE]

@@ -44,6 +44,19 @@ A ragged decode step attends each row over its own blocks alone, one kernel call
 another's padding, a window starts at the row's own position, and ``bytes_read_per_step`` counts what is read.
 A fused paged kernel takes per-row lengths and does the same in one launch; here the loop costs B small calls per
 layer, which only ragged steps pay.
+
+Window + sinks (StreamingLLM, in blocks, as vLLM's sliding window): ``window=W, sinks=S`` keeps a sequence's first S
+tokens and its W most recent (the newest included), in every layer. Keys stay roped at their original positions
+(nothing is re-assigned or re-roped: ``WindowKVCache(positions="original")`` is the reference, and the logits match
+it). When a step starts, every block that holds no token its first query can see (after the sinks' blocks and
+before the window's first) goes back to the pool (``BlockPool.release_block``) and its table entry becomes a hole
+the cache never reads, so a sequence holds at most ``ceil(S/B) + ceil(W/B) + 1`` blocks however long it grows. A
+step gathers only the sinks' blocks and the window's (whole blocks, one copy) and masks, per query, the gathered
+slots outside its own keep-set (``window_mask``: the partial blocks' extra tokens, and for a multi-token step the
+older tokens its later queries no longer see; a long chunk a block of queries at a time, as ``causal_attention``),
+so a prefill chunk equals feeding its tokens one at a time. The layer's own window applies on top. A window evicts,
+so it cannot roll back (speculative decoding refuses it), and it has no cascade. Its blocks' prefix hashes stay
+valid: a block's K/V depend on the prefix and the policy, and every sequence of a cache runs the same policy.
 """
 
 from __future__ import annotations
@@ -54,9 +67,16 @@ from collections.abc import Sequence
 import torch
 
 from kvlab.cache.base import CacheCapacityError, CacheShape, KVCache, Rotate, kv_codec, refuse_latent
-from kvlab.cache.block_pool import BlockPool, shared_prefix_blocks
+from kvlab.cache.block_pool import HOLE, BlockPool, shared_prefix_blocks
 from kvlab.cache.stores import make_store
-from kvlab.kernels import attend_slab, cascade_decode_attention, decode_attention
+from kvlab.kernels import (
+    MAX_SCORES,
+    attend_slab,
+    attention_with_probs,
+    cascade_decode_attention,
+    decode_attention,
+    window_mask,
+)
 from kvlab.validation import require_int
 
 TABLE_ENTRY_BYTES = 4  # block tables are int32, as in vLLM and FlashInfer
@@ -77,7 +97,9 @@ class PagedKVCache(KVCache):
     batch. Its sequences may sit at different lengths; such a batch steps one token per sequence (module
     docstring). ``reserve`` raises ``PoolExhaustedError`` (a ``CacheCapacityError``) before changing anything when
     the pool is short. With ``cascade=True``, a decode step of a batch at one length reads the blocks every
-    sequence shares once.
+    sequence shares once. ``window`` (tokens, >= 1) and ``sinks`` (tokens, >= 0, only with a window) keep each
+    sequence's first ``sinks`` and its ``window`` most recent tokens, in every layer, and give the other blocks
+    back to the pool (module docstring); such a cache cannot roll back, nor cascade.
     """
 
     _rolls_back = True
@@ -93,9 +115,18 @@ class PagedKVCache(KVCache):
         cascade: bool = False,
         codec: str | None = None,
         group_size: int = 32,
+        window: int | None = None,
+        sinks: int = 0,
     ) -> None:
         super().__init__(shape, batch_size, capacity)
         require_int("block_size", block_size)
+        if window is not None:
+            require_int("window", window, 1)
+        require_int("sinks", sinks, 0)
+        if sinks and window is None:
+            raise ValueError(f"sinks: {sinks} without a window; allowed: 0, or give window (an integer >= 1) too")
+        if window is not None and cascade:
+            raise ValueError("cascade: True with a window is not supported; allowed: cascade=False with a window")
         if n_blocks is None:
             if capacity is None:
                 raise ValueError(
@@ -108,6 +139,12 @@ class PagedKVCache(KVCache):
         refuse_latent(shape, "PagedKVCache")
         self.pool = BlockPool(n_blocks, block_size)
         self.cascade = cascade
+        self.window, self.sinks = window, sinks
+        if window is not None:  # the tokens a rollback would bring back may already be gone
+            self._rolls_back = False
+            self._no_rollback = (
+                "its window gave evicted tokens' blocks back to the pool (PagedKVCache without a window can)"
+            )
         self.codec = kv_codec(codec, shape)
         self._per_sequence_cap = capacity
         self.capacity = n_blocks * block_size if capacity is None else capacity
@@ -253,6 +290,7 @@ class PagedKVCache(KVCache):
                 f"KV cache full: {start} tokens stored, {n_new} more requested, capacity {self.capacity} per "
                 "sequence. Create the cache with a larger capacity (or capacity=None with n_blocks)."
             )
+        released = self._release_evicted()  # first, so the step can reuse them (a failed step leaves them free)
         pending = [self._pending[s] for s in self._seq_ids]
         known = all(len(p) >= n_new for p in pending)
         grant = self.pool.append(self._seq_ids, n_new, [p[:n_new] for p in pending] if known else None)
@@ -270,7 +308,7 @@ class PagedKVCache(KVCache):
         else:
             grew = math.ceil(self._length / self.block_size) != self._table.shape[1]
             positions = torch.arange(start, start + n_new, device=self.device)  # [T], the same for every row
-        if grant.copies or grew:
+        if grant.copies or grew or released:
             self._refresh()  # most decode steps write into a block the table already lists
         if self._ragged:
             blocks = self._table.gather(1, positions // self.block_size).long()  # [B, 1]
@@ -288,6 +326,14 @@ class PagedKVCache(KVCache):
         self, layer: int, q: torch.Tensor, window: int | None = None, rotate: Rotate | None = None
     ) -> torch.Tensor:
         self._read_windows[layer] = window
+        if self.window is not None:
+            if not self._ragged:
+                return self._attend_kept(layer, q, self._table, self._start, self.length, window)
+            rows = [
+                self._attend_kept(layer, q[i : i + 1], self._table[i : i + 1], n - 1, n, window)
+                for i, n in enumerate(self._lengths)
+            ]
+            return torch.cat(rows)
         if q.shape[-2] > 1:
             return attend_slab(q, *self._gather(layer, self._table, 0, self.length), self._start, window)
         if not self._ragged:
@@ -302,13 +348,19 @@ class PagedKVCache(KVCache):
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies, ``[B, Hkv, S, D]`` each: the blocks are not contiguous, so there is no view to return.
 
-        A ragged batch has no such rectangle (``ValueError``); ``use([seq_id])`` reads one sequence.
+        A ragged batch has no such rectangle (``ValueError``); ``use([seq_id])`` reads one sequence. With a window,
+        the kept tokens (the sinks, then the window), in position order.
         """
         if self._ragged:
             raise ValueError(
                 f"read: the batch's sequences are at different lengths ({self._lengths}), which no [B, Hkv, S, D] "
                 "holds; allowed: a batch at one length; use([seq_id]) to read one sequence"
             )
+        if self.window is not None:
+            n = self.length
+            k, v, positions = self._gather_kept(layer, self._table, n - 1, n, None)
+            kept = window_mask(torch.tensor([n - 1], device=self.device), positions, self.window, self.sinks)[0]
+            return k[..., kept, :], v[..., kept, :]
         k_t, v = self._gather(layer, self._table, 0, self.length)
         return k_t.transpose(-1, -2), v
 
@@ -320,8 +372,9 @@ class PagedKVCache(KVCache):
         return round(self.block_size * self.bytes_per_token)
 
     def bytes_stored(self) -> int:
-        """Blocks the live sequences hold (shared ones once, a partly filled one whole) plus their table entries."""
-        tables = self.block_tables()
+        """Blocks the live sequences hold (shared ones once, a partly filled one whole) plus their table entries
+        (a window's holes are neither)."""
+        tables = [[b for b in t if b != HOLE] for t in self.block_tables()]
         n_blocks = len({block for table in tables for block in table})
         return n_blocks * self.block_bytes + TABLE_ENTRY_BYTES * sum(len(t) for t in tables)
 
@@ -337,20 +390,25 @@ class PagedKVCache(KVCache):
         reads only the blocks holding the window's tokens (per sequence, from its own position). Each layer reads
         the table entries of the blocks it reads. With cascade, the shared blocks and their entries are read once
         for the batch; without (or for a ragged batch), once per sequence. ``context`` other than ``length`` keeps
-        today's shared prefix, capped at ``context``.
+        today's shared prefix, capped at ``context``. With the cache's window, the blocks holding the sinks and the
+        window (within the layer's window too), per sequence.
         """
         longest = self.length if context is None else context
         require_int("context", longest, 0)
         contexts = self._lengths if context is None else [context] * self.batch_size
         size = self.block_size
         shared = min(self._cascade_blocks(), max(longest - 1, 0) // size)
-        n_read = 0  # blocks (of one layer) and table entries, summed over layers
-        for window in self._read_windows:
-            skips = [0 if window is None else max(0, n - window) // size for n in contexts]
-            # Blocks are shared only in a batch at one length (cascade), where every row skips the same blocks.
-            layer_shared = max(0, shared - min(skips, default=0))
-            own = (math.ceil(n / size) - skip - layer_shared for n, skip in zip(contexts, skips, strict=True))
-            n_read += layer_shared + sum(own)
+        # n_read: blocks (of one layer) and table entries, summed over layers
+        if self.window is not None:  # no cascade: each sequence reads its own kept blocks
+            n_read = sum(len(self._kept_blocks(n - 1, n, w)) for w in self._read_windows for n in contexts if n)
+        else:
+            n_read = 0
+            for window in self._read_windows:
+                skips = [0 if window is None else max(0, n - window) // size for n in contexts]
+                # Blocks are shared only in a batch at one length (cascade), where every row skips the same blocks.
+                layer_shared = max(0, shared - min(skips, default=0))
+                own = (math.ceil(n / size) - skip - layer_shared for n, skip in zip(contexts, skips, strict=True))
+                n_read += layer_shared + sum(own)
         layer_block_bytes = self.block_size * self._layer_token_bytes
         return round(n_read * layer_block_bytes) + n_read * TABLE_ENTRY_BYTES
 
@@ -383,6 +441,69 @@ class PagedKVCache(KVCache):
     def _drop(self, seq_id: int) -> None:
         self.pool.free(seq_id)
         del self._pending[seq_id]
+
+    def _release_evicted(self) -> bool:
+        """Give back the blocks no query of the coming step can see (between the sinks' blocks and the block
+        holding the oldest token the first new query's window reaches), per sequence of the batch; whether any
+        went back. Each sequence's first new token sits at its current length."""
+        if self.window is None:
+            return False
+        released = False
+        first_kept = math.ceil(self.sinks / self.block_size)
+        for seq_id in self._seq_ids:
+            table, n = self.pool.block_table(seq_id), self.pool.length(seq_id)
+            # Walk back from the newest evicted block: the ones before it went back on earlier steps (holes), unless
+            # the sequence began with prefix hits, whose blocks this walk then gives back too.
+            index = max(0, n + 1 - self.window) // self.block_size - 1
+            while index >= first_kept and table[index] != HOLE:
+                self.pool.release_block(seq_id, index)
+                released, index = True, index - 1
+        return released
+
+    def _kept_blocks(self, first: int, end: int, layer_window: int | None) -> list[int]:
+        """Table indices of the blocks holding a token some query at ``first .. end-1`` sees (window, sinks and the
+        layer's window): the first query reaches furthest back, and every later one sees up to ``end``."""
+        reach = 0 if layer_window is None else max(0, first + 1 - layer_window)  # the layer's window, sinks included
+        recent = max(reach, first + 1 - self.window)
+        spans = ((reach, min(self.sinks, end)), (recent, end))
+        size = self.block_size
+        return sorted({i for lo, hi in spans if hi > lo for i in range(lo // size, math.ceil(hi / size))})
+
+    def _gather_kept(
+        self, layer: int, table: torch.Tensor, first: int, end: int, layer_window: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The blocks ``_kept_blocks`` names, whole: ``k``, ``v``: ``[B, Hkv, n, D]`` (floats) and each slot's
+        position ``[n]`` (a partial block's slots past ``end`` included: a mask must hide them)."""
+        index = torch.tensor(self._kept_blocks(first, end, layer_window), dtype=torch.long, device=self.device)
+        blocks = table[:, index]
+        k = self._keys[layer].take_blocks(blocks, self.block_size)
+        v = self._values[layer].take_blocks(blocks, self.block_size)
+        positions = (index[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).flatten()
+        return k, v, positions
+
+    def _attend_kept(
+        self, layer: int, q: torch.Tensor, table: torch.Tensor, first: int, end: int, layer_window: int | None
+    ) -> torch.Tensor:
+        """The cache window's step: queries ``q`` (``[B, Hkv, G, T, D]``) at positions ``first .. end-1`` over the
+        kept blocks of ``table`` (``[B, m]``, rows at one length), each query masked to its own keep-set -> ``[B,
+        Hkv, G, T, D]``. Slots a query must not see (evicted from its window, past it, or the unwritten tail of the
+        last block, which holds zeros or an older sequence's finite K/V) score ``-inf`` and weigh exactly 0."""
+        b, hkv, g, n_q, _ = q.shape
+        n_slots = n_q + self.sinks + self.window + 3 * self.block_size  # at least the slots the step gathers
+        block = max(1, MAX_SCORES // (b * hkv * g * n_slots))
+        if block < n_q:  # a long prefill chunk: a block of queries at a time, each over the blocks its queries keep
+            parts = [
+                self._attend_kept(
+                    layer, q[..., i : i + block, :], table, first + i, min(end, first + i + block), layer_window
+                )
+                for i in range(0, n_q, block)
+            ]
+            return torch.cat(parts, dim=-2)
+        k, v, positions = self._gather_kept(layer, table, first, end, layer_window)
+        q_positions = torch.arange(first, end, device=self.device)
+        mask = window_mask(q_positions, positions, self.window, self.sinks)
+        mask &= window_mask(q_positions, positions, layer_window)
+        return attention_with_probs(q, k.transpose(-1, -2), v, mask)[0]
 
     def _decode(
         self, layer: int, q: torch.Tensor, table: torch.Tensor, length: int, window: int | None
