@@ -3,10 +3,11 @@
     kvlab predict --model llama-3.1-70b --gpu h100-sxm --context 30000
     kvlab bench --preset cpu-small --contexts 2k,8k,16k,32k --json out.json --plot out.png
     kvlab report --model llama-3.1-70b --gpu h100-sxm --context 32k --batch 8 --out report/
+    kvlab serve --model kvlab-tiny-stdlib --port 8000
     kvlab models | kvlab gpus
 
-A bad argument prints one line naming it and the allowed values, and exits with status 2. Only ``bench`` and
-``report --measure`` load torch: ``predict``, ``report``, ``models`` and ``gpus`` are arithmetic over the presets
+A bad argument prints one line naming it and the allowed values, and exits with status 2. Only ``bench``, ``serve``
+and ``report --measure`` load torch: ``predict``, ``report``, ``models`` and ``gpus`` are arithmetic over the presets
 (``kvlab.roofline``).
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -32,6 +34,19 @@ from kvlab.roofline import (
 )
 
 TOKENS_PER_K = 1024
+DEFAULT_BENCH_CONTEXTS = "1k,4k,8k,16k"
+# bench's options that only make sense against a server
+ENDPOINT_FLAGS = (
+    "--model",
+    "--num-prompts",
+    "--max-concurrency",
+    "--request-rate",
+    "--input-len",
+    "--output-len",
+    "--trace",
+    "--gpu",
+    "--model-preset",
+)
 
 
 class UsageError(Exception):
@@ -324,10 +339,19 @@ def measure_sweep(
     return cfg, sweep
 
 
+def _contexts(args: argparse.Namespace) -> list[int]:
+    return [parse_tokens(c, "--contexts") for c in (args.contexts or DEFAULT_BENCH_CONTEXTS).split(",") if c.strip()]
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.endpoint:
+        return cmd_bench_endpoint(args)
+    for flag in ENDPOINT_FLAGS:
+        if getattr(args, flag.lstrip("-").replace("-", "_")) is not None:
+            raise UsageError(f"{flag}: only with --endpoint URL (it measures a server, not this machine)")
     import torch
 
-    contexts = [parse_tokens(c, "--contexts") for c in args.contexts.split(",") if c.strip()]
+    contexts = _contexts(args)
     if args.fill not in ("fast", "prefill"):
         raise UsageError(f"--fill: {args.fill!r}; allowed: fast, prefill")
     threads = _positive_int(args.threads, "--threads") if args.threads else None
@@ -367,6 +391,76 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_endpoint(args: argparse.Namespace) -> int:
+    """``kvlab bench --endpoint URL --model NAME``: vLLM's ``bench serve`` measurement of any OpenAI-compatible
+    server, one run (``--input-len`` or ``--trace``) or a sweep over ``--contexts``; with ``--gpu`` and
+    ``--model-preset``, each context's median TPOT beside ``kvlab predict``'s."""
+    from kvlab.endpoint import random_prompts, read_trace, run_benchmark, sweep_contexts
+
+    if not args.model:
+        raise UsageError("--model: missing; allowed: the model name the server serves (GET /v1/models lists them)")
+    n_prompts = _positive_int(args.num_prompts or "8", "--num-prompts")
+    output_len = _positive_int(args.output_len or "64", "--output-len")
+    concurrency = _positive_int(args.max_concurrency, "--max-concurrency") if args.max_concurrency else None
+    rate = float("inf") if args.request_rate in (None, "inf") else _positive_float(args.request_rate, "--request-rate")
+    if (args.gpu is None) != (args.model_preset is None):
+        raise UsageError("--gpu, --model-preset: give both (the GPU and the model the server runs) or neither")
+    if args.trace and (args.input_len or args.contexts):
+        raise UsageError(
+            "--trace: its requests set their own lengths; allowed: --trace alone, or --input-len, or --contexts"
+        )
+    options = {"max_concurrency": concurrency, "request_rate": rate}
+    try:
+        if args.trace or args.input_len:
+            prompts = (
+                read_trace(args.trace)
+                if args.trace
+                else random_prompts(n_prompts, parse_tokens(args.input_len, "--input-len"), output_len)
+            )
+            results = [run_benchmark(args.endpoint, args.model, prompts, **options)]
+        else:
+            results = sweep_contexts(args.endpoint, args.model, _contexts(args), n_prompts, output_len, **options)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    predicted = None
+    if args.gpu:
+        cfg, gpu = _usage(get_model, args.model_preset, "--model-preset"), _usage(get_gpu, args.gpu, "--gpu")
+        batch = min(concurrency or n_prompts, n_prompts)
+        predicted = [
+            run_predict(cfg, min(r["input_lens"][0] + output_len // 2, cfg.max_seq_len), gpu.bandwidth_gbps, batch)
+            for r in results
+        ]
+    print(f"{args.endpoint}, model {args.model}: {n_prompts if not args.trace else 'trace'} requests per run")
+    header = (
+        f"{'context':>8}  {'done':>5}  {'TTFT p50':>9}  {'TPOT p50':>9}  {'TPOT p99':>9}  {'ITL p50':>8}  {'tok/s':>7}"
+    )
+    print(header + ("  predicted TPOT" if predicted else ""))
+    for i, r in enumerate(results):
+        context = r.get("context", r["input_lens"][0] if r["input_lens"] else 0)
+        if not r["completed"]:
+            print(f"{context:>8}  {0:>5}  every request failed: {r['errors'][0]}")
+            continue
+        cell = {
+            name: r.get(name, math.nan) for name in ("median_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms")
+        }
+        line = (
+            f"{context:>8}  {r['completed']:>5}  {cell['median_ttft_ms']:>9.2f}  {cell['median_tpot_ms']:>9.2f}  "
+            f"{cell['p99_tpot_ms']:>9.2f}  {cell['median_itl_ms']:>8.2f}  {r['output_throughput']:>7.1f}"
+        )
+        if predicted:
+            line += f"  {predicted[i].tpot_ms:>8.2f} ms"
+        print(line)
+    if predicted:
+        print(
+            f"predicted: kvlab predict for {args.model_preset} on {args.gpu} at the prompt + half the output, batch "
+            f"{predicted[0].batch} (bandwidth bound; real systems reach {predicted[0].tpot_ms_range_basis})"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results[0] if len(results) == 1 else results, f, indent=2)
+    return 0 if any(r["completed"] for r in results) else 1  # a run where nothing completed measured nothing
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from kvlab.report import DEFAULT_CONTEXT, build_report, summary_lines, write_report
 
@@ -389,6 +483,47 @@ def cmd_report(args: argparse.Namespace) -> int:
     for line in summary_lines(report):
         print(line)
     print(f"wrote {', '.join(str(p) for p in written)}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """``kvlab serve --model NAME``: the engine behind an OpenAI-compatible API (``kvlab.serve``)."""
+    from kvlab.engine import Engine
+    from kvlab.serve import Server, load_model, run_server
+
+    port = _count(args.port, "--port")
+    if port > 65535:
+        raise UsageError(f"--port: {args.port}; allowed: 0 to 65535 (0: any free port)")
+    kv_dtype = _dtype(args.kv_dtype, "--kv-dtype", ("fp8", "int8", "int4")) if args.kv_dtype else None
+    window = parse_tokens(args.window, "--window") if args.window else None
+    sinks = _count(args.sinks, "--sinks")
+    if sinks and window is None:
+        raise UsageError("--sinks: only with --window; allowed: --window W --sinks S (StreamingLLM: 1020 and 4)")
+    block_size = _positive_int(args.block_size, "--block-size")
+    max_batch = _positive_int(args.max_batch, "--max-batch")
+    max_waiting = _positive_int(args.max_waiting, "--max-waiting")
+    try:
+        model, name, bos = load_model(args.model, args.device)
+    except (ValueError, OSError, RuntimeError) as e:
+        raise UsageError(f"--model: {args.model}: {e}") from None
+    # By default the pool holds max_batch requests at the model's full context.
+    blocks = (
+        _positive_int(args.blocks, "--blocks")
+        if args.blocks
+        else max_batch * math.ceil(model.cfg.max_seq_len / block_size)
+    )
+    engine = Engine(
+        model,
+        n_blocks=blocks,
+        block_size=block_size,
+        kv_dtype=kv_dtype,
+        window=window,
+        sinks=sinks,
+        max_batch=max_batch,
+        prefix_caching=not args.no_prefix_caching,
+    )
+    print(f"kvlab serve: {name} on http://{args.host}:{port} ({blocks} blocks of {block_size}, batch {max_batch})")
+    run_server(Server(engine, name, bos, max_waiting), args.host, port)
     return 0
 
 
@@ -483,7 +618,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="measure TPOT against context on this machine")
     b.add_argument("--preset", default="cpu-small", help="a runnable preset (default cpu-small)")
-    b.add_argument("--contexts", default="1k,4k,8k,16k", help="comma-separated, e.g. 2k,8k,16k,32k")
+    b.add_argument("--contexts", help=f"comma-separated, e.g. 2k,8k,16k,32k (default {DEFAULT_BENCH_CONTEXTS})")
     b.add_argument("--batch", default="1")
     b.add_argument("--tokens", default="16", help="output tokens per request (default 16)")
     b.add_argument("--requests", default="3", help="requests per context (default 3)")
@@ -492,6 +627,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", default=None, help="torch CPU threads (default: torch's choice)")
     b.add_argument("--json", help="write the results as JSON here")
     b.add_argument("--plot", help="write a measured-vs-predicted plot here (PNG)")
+    server = b.add_argument_group("a server instead of this machine (vLLM's bench serve timing)")
+    server.add_argument("--endpoint", help="an OpenAI-compatible server's root URL, e.g. http://127.0.0.1:8000")
+    server.add_argument("--model", help="the model name the server serves")
+    server.add_argument("--num-prompts", help="requests per run (default 8)")
+    server.add_argument("--max-concurrency", help="requests in flight at most (default: all)")
+    server.add_argument("--request-rate", help="Poisson arrivals per second (default inf: all at once)")
+    server.add_argument("--input-len", help="one run of prompts this long instead of a --contexts sweep")
+    server.add_argument("--output-len", help="tokens each request asks for (default 64)")
+    server.add_argument("--trace", help="a JSON-lines file of {input_len, output_len} requests")
+    server.add_argument("--gpu", help="with --model-preset: print kvlab predict's TPOT beside the measured one")
+    server.add_argument("--model-preset", help="the preset of the model the server runs (kvlab models)")
     b.set_defaults(func=cmd_bench)
 
     r = sub.add_parser("report", help="a shareable report for one model, GPU, context and batch")
@@ -505,6 +651,21 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json-only", action="store_true", help="write report.json only (no plots, markdown, HTML)")
     r.add_argument("--out", required=True, help="folder for index.html, report.md, report.json and the plots")
     r.set_defaults(func=cmd_report)
+
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (the batching engine)")
+    s.add_argument("--model", required=True, help="a shipped checkpoint, a runnable preset, or a local HF folder")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", default="8000")
+    s.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if present)")
+    s.add_argument("--kv-dtype", help="fp8, int8 or int4 blocks (default: the model's dtype)")
+    s.add_argument("--window", help="keep each request's W most recent tokens (plus --sinks), free the blocks between")
+    s.add_argument("--sinks", default="0", help="first tokens kept with --window (StreamingLLM's 4)")
+    s.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt blocks")
+    s.add_argument("--blocks", help="KV blocks in the pool (default: --max-batch requests at the full context)")
+    s.add_argument("--block-size", default="16", help="tokens per block (default 16)")
+    s.add_argument("--max-batch", default="8", help="requests decoded together at most (default 8)")
+    s.add_argument("--max-waiting", default="64", help="requests waiting for a first token before 429 (default 64)")
+    s.set_defaults(func=cmd_serve)
 
     sub.add_parser("models", help="list model presets").set_defaults(func=cmd_models)
     sub.add_parser("gpus", help="list GPU presets").set_defaults(func=cmd_gpus)

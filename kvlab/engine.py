@@ -26,6 +26,10 @@ carries on from the last logits, so its tokens are those ``model.generate`` give
 request is never the victim while another runs, and every request fits the pool alone (step 1 checks), so a run
 always completes and ``PoolExhaustedError`` never escapes it.
 
+Online (``kvlab serve``): ``start()``, then ``add(request, on_token)`` whenever a request comes in (it arrives at
+the clock's now), ``step()`` while ``busy``, and ``cancel(handle)`` for a client that went away (its blocks are
+freed at once). ``on_token`` receives each token as it is sampled. ``run`` is a loop over these same calls.
+
 Clocks: ``"real"`` reads ``kvlab.timing.Stopwatch`` (arrivals then wait in real time). ``SimulatedClock`` charges
 each model call the byte model's time instead, so a trace plays at the scale of any model and GPU (its formula is
 in its docstring); ``clock="simulated"`` with ``gpu=`` or ``bandwidth_gbps=`` builds one for the engine's model.
@@ -289,6 +293,8 @@ class _Live:
 
     index: int
     request: Request
+    arrival: float  # clock seconds: the request's arrival_s in a run, the clock at ``add`` online
+    on_token: Callable[[int], None] | None = None
     output: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     seq_id: int | None = None  # None: waiting (not yet admitted, preempted) or finished
@@ -315,8 +321,10 @@ class Engine:
     ``max_batch``: running requests at most. ``token_budget``: tokens one step computes (decodes, then prefill
     chunks). ``prefix_caching``: reuse the K/V of cached prompt blocks. ``clock``: ``"real"``, ``"simulated"``
     (with ``gpu=`` a preset name, or ``bandwidth_gbps=``), or any ``Clock`` such as a ``SimulatedClock`` of another
-    model's shape. ``kv_dtype``: what the blocks store (``kvlab.dtypes.KV_DTYPES``; default the model's dtype), and
-    what a simulated clock the engine builds charges.
+    model's shape. ``kv_dtype``: what the blocks store (``kvlab.dtypes.KV_DTYPES``; default the model's dtype).
+    ``window`` + ``sinks``: each request keeps its first ``sinks`` tokens and its ``window`` most recent ones, and
+    the blocks in between go back to the pool (``PagedKVCache``'s policy). A simulated clock the engine builds
+    charges what these store and read.
     """
 
     def __init__(
@@ -326,6 +334,8 @@ class Engine:
         n_blocks: int,
         block_size: int = 16,
         kv_dtype: str | None = None,
+        window: int | None = None,
+        sinks: int = 0,
         max_batch: int = 8,
         token_budget: int = 512,
         prefix_caching: bool = True,
@@ -343,23 +353,29 @@ class Engine:
             token_budget,
             prefix_caching,
         )
-        self.kv_dtype = kv_dtype
+        self.kv_dtype, self.window, self.sinks = kv_dtype, window, sinks
         self.cache = PagedKVCache.for_model(
-            model, capacity=None, n_blocks=n_blocks, block_size=block_size, codec=kv_dtype
+            model,
+            capacity=None,
+            n_blocks=n_blocks,
+            block_size=block_size,
+            codec=kv_dtype,
+            window=window,
+            sinks=sinks,
         )
         self.cache.free(self.cache.seq_ids[0])  # the pool starts with no sequences; admissions add them
         self.clock = self._make_clock(clock, gpu, bandwidth_gbps)
         self._waiting: deque[_Live] = deque()
         self._running: list[_Live] = []  # admission order: the last is the newest, preempted first
-        self._hits = self._preemptions = self._max_running = self._peak_blocks = 0
+        self._hits = self._preemptions = self._max_running = self._peak_blocks = self._steps = 0
 
     def _make_clock(self, clock: str | Clock, gpu: str | GPU | None, bandwidth_gbps: float | None) -> Clock:
         if clock == "simulated":
             if (gpu is None) == (bandwidth_gbps is None):
                 raise ValueError("gpu, bandwidth_gbps: clock='simulated' takes exactly one of them")
             if gpu is not None:
-                return SimulatedClock.for_gpu(self.model.cfg, gpu, self.kv_dtype)
-            return SimulatedClock(self.model.cfg, bandwidth_gbps, kv_dtype=self.kv_dtype)
+                return SimulatedClock.for_gpu(self.model.cfg, gpu, self.kv_dtype, self.window, self.sinks)
+            return SimulatedClock(self.model.cfg, bandwidth_gbps, None, self.kv_dtype, self.window, self.sinks)
         if gpu is not None or bandwidth_gbps is not None:
             raise ValueError(f"gpu, bandwidth_gbps: only for clock='simulated'; clock is {clock!r}")
         if clock == "real":
@@ -381,44 +397,83 @@ class Engine:
     def block_size(self) -> int:
         return self.cache.block_size
 
+    # -- online: start, add, step, cancel (a server calls these from one thread) -------------------------------------
+    def start(self) -> None:
+        """Start the clock and the counters, with nothing queued (the pool's cached prefix blocks stay)."""
+        self._release()
+        self._waiting.clear()
+        self._hits = self._preemptions = self._max_running = self._peak_blocks = self._steps = 0
+        self.clock.start()
+
+    def add(self, request: Request, on_token: Callable[[int], None] | None = None) -> _Live:
+        """Queue ``request``, arriving now; ``on_token(id)`` gets each token as it is sampled (from inside ``step``).
+
+        Returns the handle ``cancel`` takes. Raises ``ValueError`` naming the field if the engine cannot serve it.
+        """
+        if not isinstance(request, Request):
+            raise ValueError(f"request: {request!r}; allowed: a kvlab.engine.Request")
+        x = _Live(-1, request, self.clock.now(), on_token)
+        error = self._reject(x)
+        if error:
+            raise ValueError(error)
+        self._waiting.append(x)
+        return x
+
+    @property
+    def busy(self) -> bool:
+        """Requests are waiting or running: ``step`` has work."""
+        return bool(self._waiting or self._running)
+
+    def step(self) -> None:
+        """One scheduler step: admit what fits, one decode call, prefill chunks (module docstring)."""
+        self._admit()
+        self._max_running = max(self._max_running, len(self._running))
+        self._step()
+        self._steps += 1
+
+    def cancel(self, handle: _Live) -> None:
+        """Drop a waiting or running request; a running one's blocks are freed now. A finished one is left as is."""
+        if handle in self._waiting:
+            self._waiting.remove(handle)
+        elif handle in self._running:
+            self.cache.free(handle.seq_id)
+            self._running.remove(handle)
+            handle.seq_id, handle.todo = None, []
+
+    def _release(self) -> None:
+        """Free every running request's blocks (after an error from the model, too: none may stay held)."""
+        for x in self._running:
+            self.cache.free(x.seq_id)
+        self._running.clear()
+
     # -- a run ----------------------------------------------------------------------------------------------------
     def run(self, requests: Sequence[Request]) -> RunReport:
         """Serve ``requests`` (arriving at their ``arrival_s``) to completion; one result each, in request order."""
         if any(not isinstance(r, Request) for r in requests):
             raise ValueError(f"requests: {list(requests)!r}; allowed: a sequence of kvlab.engine.Request")
-        live = [_Live(i, r) for i, r in enumerate(requests)]
+        live = [_Live(i, r, r.arrival_s) for i, r in enumerate(requests)]
         errors = {x.index: self._reject(x) for x in live}
-        arrivals = deque(sorted((x for x in live if errors[x.index] is None), key=lambda x: x.request.arrival_s))
-        self._waiting.clear()
-        self._running.clear()
-        self._hits = self._preemptions = self._max_running = self._peak_blocks = steps = 0
-        self.clock.start()
+        arrivals = deque(sorted((x for x in live if errors[x.index] is None), key=lambda x: x.arrival))
+        self.start()
         try:
-            while arrivals or self._waiting or self._running:
+            while arrivals or self.busy:
                 now = self.clock.now()
-                while arrivals and arrivals[0].request.arrival_s <= now:
+                while arrivals and arrivals[0].arrival <= now:
                     self._waiting.append(arrivals.popleft())
-                if not self._waiting and not self._running:
-                    self.clock.wait_until(arrivals[0].request.arrival_s)
+                if not self.busy:
+                    self.clock.wait_until(arrivals[0].arrival)
                     continue
-                self._admit()
-                self._max_running = max(self._max_running, len(self._running))
-                self._step()
-                steps += 1
-        finally:  # an error from the model must not leave blocks held
-            for x in self._running:
-                self.cache.free(x.seq_id)
-            self._running.clear()
+                self.step()
+        finally:
+            self._release()
         results = [
             RequestResult([], None, error=errors[x.index])
             if errors[x.index]
-            else RequestResult(
-                x.output, RequestTiming(tuple(t - x.request.arrival_s for t in x.token_times)), x.preemptions
-            )
+            else RequestResult(x.output, RequestTiming(tuple(t - x.arrival for t in x.token_times)), x.preemptions)
             for x in live
         ]
         return RunReport(
-            results, self.clock.now(), self._hits, self._preemptions, steps, self._max_running, self._peak_blocks
+            results, self.clock.now(), self._hits, self._preemptions, self._steps, self._max_running, self._peak_blocks
         )
 
     def _reject(self, x: _Live) -> str | None:
@@ -536,3 +591,5 @@ class Engine:
             self.cache.free(x.seq_id)
             self._running.remove(x)
             x.seq_id = None
+        if x.on_token is not None:  # after the bookkeeping, so a callback that cancels finds a consistent engine
+            x.on_token(token)

@@ -94,6 +94,23 @@ def test_a_quantized_pool_serves_what_the_same_cache_gives_alone(model: Decoder,
     assert charged.kv_bytes_per_token == kv_bytes_per_token(CFG, "int8")
 
 
+def test_a_windowed_pool_serves_what_the_window_gives_alone_and_frees_blocks(model: Decoder) -> None:
+    # Long outputs past a window of 8 + 2 sinks: each request's tokens are those the same policy gives it alone,
+    # and a request never holds more than its sinks' and window's blocks (plus the one being filled).
+    gen = torch.Generator().manual_seed(5)
+    requests = [Request(torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist(), 24) for n in (3, 12, 7)]
+    engine = Engine(model, n_blocks=64, block_size=4, max_batch=3, token_budget=8, window=8, sinks=2)
+    report = engine.run(requests)
+    for request, result in zip(requests, report.results, strict=True):
+        cache = PagedKVCache.for_model(model, capacity=64, block_size=4, window=8, sinks=2)
+        alone = model.generate(list(request.prompt_ids), request.max_new_tokens, cache=cache).tolist()
+        assert result.output_ids == alone
+    assert report.peak_blocks <= 3 * (1 + 2 + 2) + 3  # per request: 1 sink block, 2 window blocks, 1 filling
+    assert engine.free_blocks == engine.n_blocks
+    clock = Engine(model, n_blocks=8, window=8, sinks=2, clock="simulated", bandwidth_gbps=1.0).clock
+    assert (clock.window, clock.sinks) == (8, 2)
+
+
 def test_preemption_by_recompute_keeps_the_tokens(model: Decoder) -> None:
     # 8 blocks of 4 hold 32 tokens; four requests of up to 23 + 8 tokens cannot all grow at once.
     requests = mixed_requests(1, 6, spacing_s=0.0)

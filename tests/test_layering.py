@@ -28,8 +28,8 @@ LEVELS: tuple[tuple[str, ...], ...] = (
     ("kvlab.cache", "kvlab.cache.*"),
     ("kvlab.attention", "kvlab.mla"),
     ("kvlab.model",),
-    ("kvlab.bench", "kvlab.breakdown", "kvlab.engine", "kvlab.quality", "kvlab.session", "kvlab.hf", "kvlab.pretrained",
-     "kvlab.speculative", "kvlab.train"),
+    ("kvlab.bench", "kvlab.breakdown", "kvlab.endpoint", "kvlab.engine", "kvlab.quality", "kvlab.serve",
+     "kvlab.session", "kvlab.hf", "kvlab.pretrained", "kvlab.speculative", "kvlab.train"),
     ("kvlab.course", "kvlab.course.*", "kvlab.checks"),
     ("kvlab.cli", "kvlab.report"),
 )  # fmt: skip
