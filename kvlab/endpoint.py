@@ -28,6 +28,7 @@ import random
 import statistics
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import pairwise
 
@@ -198,10 +199,20 @@ def run_benchmark(
         raise ValueError(f"max_concurrency: {max_concurrency!r}; allowed: None or an integer >= 1")
     if not request_rate > 0:
         raise ValueError(f"request_rate: {request_rate!r}; allowed: requests per second > 0, or inf")
-    outcomes, duration = asyncio.run(
+    outcomes, duration = _run_to_completion(
         _run(url, model, prompts, max_concurrency, request_rate, seed, timeout_s, transport)
     )
     return summarize_outcomes(outcomes, duration)
+
+
+def _run_to_completion(coroutine):
+    """``asyncio.run``, also from code already inside an event loop (a Jupyter cell): there, on a thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
 
 
 def summarize_outcomes(outcomes: Sequence[RequestOutcome], duration_s: float) -> dict:

@@ -146,3 +146,12 @@ def test_a_context_sweep_sends_prompts_of_each_length():
     results = sweep_contexts("http://test", "m", [8, 32], 2, 2, transport=httpx.ASGITransport(app=app))
     assert [r["context"] for r in results] == [8, 32] and [r["input_lens"] for r in results] == [[8, 8], [32, 32]]
     assert sorted(len(b["prompt"]) for b in app.bodies) == [8, 8, 32, 32]
+
+
+def test_it_runs_from_inside_an_event_loop_as_in_a_notebook():
+    app = scripted_server(["a", "b"], gap_s=0.0, usage_tokens=None)
+
+    async def cell() -> dict:  # Jupyter runs cells inside a running loop
+        return bench(app, random_prompts(2, 3, 2))
+
+    assert asyncio.run(cell())["completed"] == 2

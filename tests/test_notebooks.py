@@ -62,3 +62,16 @@ def test_lessons_regenerate_identically(released_course):
 def test_unanswered_lesson_passes_no_test(name):
     result = run_autograde(REPO, "validate", "--invert", str(notebook("lessons", name)), check=False)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.notebooks
+def test_appendix_runs_in_quick_mode(tmp_path, monkeypatch):
+    """The serving appendix (not graded): it starts kvlab serve, measures it through the API, stops it cleanly."""
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(REPO / "appendix" / "serving_under_load.ipynb", as_version=4)
+    assert all(c.outputs == [] for c in nb.cells if c.cell_type == "code"), "appendix: outputs committed"
+    monkeypatch.setenv("KVLAB_QUICK", "1")  # the kernel inherits it
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    for cell in (c for c in nb.cells if c.cell_type == "code"):
+        assert not [o for o in cell.outputs if o.output_type == "error" or o.get("name") == "stderr"], cell.source[:80]
