@@ -45,6 +45,7 @@ ENDPOINT_FLAGS = (
     "--output-len",
     "--trace",
     "--gpu",
+    "--bandwidth",
     "--model-preset",
 )
 
@@ -403,8 +404,14 @@ def cmd_bench_endpoint(args: argparse.Namespace) -> int:
     output_len = _positive_int(args.output_len or "64", "--output-len")
     concurrency = _positive_int(args.max_concurrency, "--max-concurrency") if args.max_concurrency else None
     rate = float("inf") if args.request_rate in (None, "inf") else _positive_float(args.request_rate, "--request-rate")
-    if (args.gpu is None) != (args.model_preset is None):
-        raise UsageError("--gpu, --model-preset: give both (the GPU and the model the server runs) or neither")
+    if args.gpu and args.bandwidth:
+        raise UsageError("--gpu, --bandwidth: give one (where the bandwidth comes from), not both")
+    hardware = args.gpu or args.bandwidth
+    if (hardware is None) != (args.model_preset is None):
+        raise UsageError(
+            "--model-preset: give it with --gpu NAME or --bandwidth GBPS (the model and the hardware the server runs), "
+            "or none of them"
+        )
     if args.trace and (args.input_len or args.contexts):
         raise UsageError(
             "--trace: its requests set their own lengths; allowed: --trace alone, or --input-len, or --contexts"
@@ -423,11 +430,16 @@ def cmd_bench_endpoint(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     predicted = None
-    if args.gpu:
-        cfg, gpu = _usage(get_model, args.model_preset, "--model-preset"), _usage(get_gpu, args.gpu, "--gpu")
+    if hardware:
+        cfg = _usage(get_model, args.model_preset, "--model-preset")
+        bandwidth = (
+            _usage(get_gpu, args.gpu, "--gpu").bandwidth_gbps
+            if args.gpu
+            else _positive_float(args.bandwidth, "--bandwidth")
+        )
         batch = min(concurrency or n_prompts, n_prompts)
         predicted = [
-            run_predict(cfg, min(r["input_lens"][0] + output_len // 2, cfg.max_seq_len), gpu.bandwidth_gbps, batch)
+            run_predict(cfg, min(r["input_lens"][0] + output_len // 2, cfg.max_seq_len), bandwidth, batch)
             for r in results
         ]
     print(f"{args.endpoint}, model {args.model}: {n_prompts if not args.trace else 'trace'} requests per run")
@@ -452,8 +464,9 @@ def cmd_bench_endpoint(args: argparse.Namespace) -> int:
         print(line)
     if predicted:
         print(
-            f"predicted: kvlab predict for {args.model_preset} on {args.gpu} at the prompt + half the output, batch "
-            f"{predicted[0].batch} (bandwidth bound; real systems reach {predicted[0].tpot_ms_range_basis})"
+            f"predicted: kvlab predict for {args.model_preset} at {predicted[0].bandwidth_gbps:,.0f} GB/s, the prompt "
+            f"+ half the output, batch {predicted[0].batch} (bandwidth bound; real systems: "
+            f"{predicted[0].tpot_ms_range_basis})"
         )
     if args.json:
         with open(args.json, "w") as f:
@@ -637,6 +650,7 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--output-len", help="tokens each request asks for (default 64)")
     server.add_argument("--trace", help="a JSON-lines file of {input_len, output_len} requests")
     server.add_argument("--gpu", help="with --model-preset: print kvlab predict's TPOT beside the measured one")
+    server.add_argument("--bandwidth", help="instead of --gpu: the server's memory bandwidth in GB/s (kvlab bench)")
     server.add_argument("--model-preset", help="the preset of the model the server runs (kvlab models)")
     b.set_defaults(func=cmd_bench)
 

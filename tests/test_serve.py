@@ -262,3 +262,8 @@ def test_bench_endpoint_measures_kvlab_serve_as_vllm_does(
         assert {"median_tpot_ms", "p99_itl_ms", "mean_e2el_ms", "output_throughput"} <= set(r)
         assert r["median_ttft_ms"] < r["median_e2el_ms"]
     assert server.engine.free_blocks == server.engine.n_blocks
+    # The prediction beside each context, for the model and bandwidth given (here any preset: the column's source).
+    code, printed, _ = run_cli(capsys, *argv[:-2], "--bandwidth", "10", "--model-preset", "cpu-tiny")
+    assert code == 0 and "predicted TPOT" in printed and "cpu-tiny at 10 GB/s" in printed
+    code, _, err = run_cli(capsys, *argv[:-2], "--model-preset", "cpu-tiny")
+    assert code == 2 and "--model-preset" in err
