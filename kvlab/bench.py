@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from itertools import pairwise
@@ -44,9 +45,31 @@ def percentile(values: Sequence[float], p: float) -> float:
 
 
 def summarize(name: str, values_ms: Sequence[float]) -> dict[str, float]:
-    """``mean_<name>_ms``, ``median_<name>_ms``, ``p90_..``, ``p99_..``: the field names vLLM's bench writes."""
-    out = {f"mean_{name}_ms": sum(values_ms) / len(values_ms), f"median_{name}_ms": percentile(values_ms, 50)}
+    """``mean_<name>_ms``, ``median_<name>_ms``, ``std_..`` (population), ``p90_..``, ``p99_..``: the field names
+    vLLM's bench writes."""
+    out = {
+        f"mean_{name}_ms": sum(values_ms) / len(values_ms),
+        f"median_{name}_ms": percentile(values_ms, 50),
+        f"std_{name}_ms": statistics.pstdev(values_ms),
+    }
     out.update({f"p{p}_{name}_ms": percentile(values_ms, p) for p in PERCENTILES if p != 50})
+    return out
+
+
+def latency_summaries(requests: Sequence) -> dict[str, float]:
+    """``summarize`` of TTFT, TPOT, ITL and E2EL over ``requests`` (anything with ``ttft_ms``, ``tpot_ms`` (``None``
+    for a one-token output), ``itl_ms`` and ``e2el_ms``): every ITL gap pooled, as vLLM pools them. A series with
+    no value (no request, or only one-token outputs for TPOT) is left out."""
+    series = {
+        "ttft": [r.ttft_ms for r in requests],
+        "tpot": [t for t in (r.tpot_ms for r in requests) if t is not None],
+        "itl": [gap for r in requests for gap in r.itl_ms],
+        "e2el": [r.e2el_ms for r in requests],
+    }
+    out: dict[str, float] = {}
+    for name, values in series.items():
+        if values:
+            out.update(summarize(name, values))
     return out
 
 
@@ -134,12 +157,7 @@ class SweepPoint:
     predicted_tpot_ms: float
 
     def metrics(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        out.update(summarize("ttft", [r.ttft_ms for r in self.requests]))
-        out.update(summarize("tpot", [r.tpot_ms for r in self.requests]))
-        out.update(summarize("itl", [g for r in self.requests for g in r.itl_ms]))
-        out.update(summarize("e2el", [r.e2el_ms for r in self.requests]))
-        return out
+        return latency_summaries(self.requests)
 
     @property
     def tpot_ms(self) -> float:

@@ -25,7 +25,6 @@ import asyncio
 import json
 import math
 import random
-import statistics
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +33,7 @@ from itertools import pairwise
 
 import httpx
 
-from kvlab.bench import summarize
+from kvlab.bench import latency_summaries
 
 PROMPT_ID_RANGE = (100, 200)  # plain (byte-level) tokens in every vocabulary: no special tokens, no out-of-range ids
 
@@ -230,16 +229,7 @@ def summarize_outcomes(outcomes: Sequence[RequestOutcome], duration_s: float) ->
         "output_throughput": outputs / duration_s,
         "total_token_throughput": (inputs + outputs) / duration_s,
     }
-    series = {
-        "ttft": [o.ttft_ms for o in done],
-        "tpot": [o.tpot_ms for o in done if o.tpot_ms is not None],
-        "itl": [x for o in done for x in o.itl_ms],
-        "e2el": [o.e2el_ms for o in done],
-    }
-    for name, values in series.items():
-        if values:
-            out.update(summarize(name, values))
-            out[f"std_{name}_ms"] = statistics.pstdev(values)
+    out.update(latency_summaries(done))
     out.update(
         input_lens=[o.prompt_tokens for o in outcomes],
         output_lens=[o.output_tokens for o in outcomes],

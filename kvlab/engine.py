@@ -51,7 +51,7 @@ from typing import Protocol
 
 import torch
 
-from kvlab.bench import RequestTiming, summarize
+from kvlab.bench import RequestTiming, latency_summaries
 from kvlab.cache.paged import PagedKVCache
 from kvlab.config import ModelConfig
 from kvlab.model import Decoder
@@ -163,17 +163,7 @@ class RunReport:
     def metrics(self) -> dict[str, float]:
         """Throughput and vLLM-named summaries (``mean_ttft_ms``, ``p99_tpot_ms``, ...) over completed requests."""
         out = {"output_tokens_per_s": self.output_tokens_per_s, "requests_per_s": self.requests_per_s}
-        done = self.completed
-        series = {
-            "ttft": [r.ttft_ms for r in done],
-            "tpot": [r.tpot_ms for r in done if r.tpot_ms is not None],
-            "itl": [gap for r in done for gap in r.itl_ms],
-            "e2el": [r.e2el_ms for r in done],
-        }
-        for name, values in series.items():
-            if values:
-                out.update(summarize(name, values))
-        return out
+        return out | latency_summaries(self.completed)
 
 
 # -- clocks ------------------------------------------------------------------------------------------------------

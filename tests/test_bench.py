@@ -30,7 +30,7 @@ def test_vllm_metric_definitions_on_known_timestamps():
     assert r.itl_ms == pytest.approx([10, 15, 5])
     assert r.tpot_ms == pytest.approx((130 - 100) / 3)
     assert summarize("itl", r.itl_ms) == pytest.approx(
-        {"mean_itl_ms": 10, "median_itl_ms": 10, "p90_itl_ms": 14, "p99_itl_ms": 14.9}
+        {"mean_itl_ms": 10, "median_itl_ms": 10, "std_itl_ms": (50 / 3) ** 0.5, "p90_itl_ms": 14, "p99_itl_ms": 14.9}
     )
     with pytest.raises(ValueError, match="2 output tokens"):
         _ = RequestTiming((0.1,)).tpot_ms
