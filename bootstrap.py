@@ -62,7 +62,7 @@ def has_torch(python: str) -> bool:
     return subprocess.run([python, "-c", "import torch"], capture_output=True).returncode == 0
 
 
-def install(python: str) -> None:
+def install(python: str, extras: str) -> None:
     pip = [python, "-m", "pip", "install", "--disable-pip-version-check"]
     if not has_torch(python):
         if shutil.which("nvidia-smi") or platform.system() == "Darwin":
@@ -71,7 +71,7 @@ def install(python: str) -> None:
             # The CPU index outranks the default one (2.x.y+cpu sorts above 2.x.y); where it cannot be reached
             # pip warns and carries on with the indexes it has.
             run([*pip, "--extra-index-url", TORCH_CPU_INDEX, TORCH])
-    run([*pip, "-e", ".[course,dev]"])
+    run([*pip, "-e", f".[{extras}]"])
 
 
 def course(python: str) -> None:
@@ -95,12 +95,14 @@ def test(python: str) -> None:
 
 def main() -> None:
     commands = {"course": course, "test": test}
+    # The tests also get kvlab[gpu] (Triton, about 1 GB), whose kernels they run in Triton's CPU interpreter.
+    extras = {"course": "course,dev", "test": "course,dev,gpu"}
     if len(sys.argv) != 2 or sys.argv[1] not in commands:
         sys.exit(f"usage: python3 bootstrap.py {{{','.join(commands)}}}")
     if sys.version_info < (3, 10):  # noqa: UP036 -- this file runs before anything checks the version
         sys.exit(f"kvlab needs Python 3.10 or newer; this is {platform.python_version()}")
     python = python_to_use()
-    install(python)
+    install(python, extras[sys.argv[1]])
     commands[sys.argv[1]](python)
 
 

@@ -1,4 +1,9 @@
-"""Shared fixtures: a temporary copy of the course, released by nbgrader, for tests that write grading files."""
+"""Shared fixtures: where a test runs (``target``: CPU in fp32, CPU in bf16, CUDA in bf16), and a temporary copy of
+the course, released by nbgrader, for tests that write grading files.
+
+Tests marked ``gpu`` need CUDA and are skipped without it; ``pytest -m gpu`` runs only them (``bench/gpu_check.py``
+does, on a lent GPU).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -36,6 +42,41 @@ def run_autograde(
     if check and result.returncode:
         pytest.fail(f"autograde {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
     return result
+
+
+@dataclass(frozen=True)
+class Target:
+    """A device and the model dtype a test uses there: fp32 on CPU, as the course runs; bf16 on CUDA, as serving
+    does. ``cpu-bf16`` runs the CUDA configuration on the CPU, so its tolerances are tested where no GPU is."""
+
+    device: str
+    dtype: str
+
+    def tol(self, fp32: dict[str, float], bf16: dict[str, float]) -> dict[str, float]:
+        """``assert_close`` tolerances for this dtype: a test states both, each with its reason."""
+        return fp32 if self.dtype == "fp32" else bf16
+
+
+TARGETS = [
+    pytest.param(Target("cpu", "fp32"), id="cpu"),
+    pytest.param(Target("cpu", "bf16"), id="cpu-bf16"),
+    pytest.param(Target("cuda", "bf16"), id="cuda", marks=pytest.mark.gpu),
+]
+
+
+@pytest.fixture(params=TARGETS)
+def target(request: pytest.FixtureRequest) -> Target:
+    """Run the test once per ``TARGETS`` entry; the CUDA one is marked ``gpu``."""
+    return request.param
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (marked gpu); torch.cuda.is_available() is False")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -17,7 +17,9 @@ Reading: this reference gathers a sequence's blocks into scratch (decoding them,
 contiguous cache's kernel on it, so paged decode equals contiguous decode up to fp32 rounding (the same kernel,
 over tensors of other sizes and strides, which a BLAS may block and sum in another order). A fused paged kernel
 (vLLM's, FlashInfer's) reads the blocks in place; the gather is an extra copy that the byte counts leave out and
-CPU timings pay for. A layer with a sliding window gathers only the blocks its window reaches.
+CPU timings pay for. A layer with a sliding window gathers only the blocks its window reaches. On CUDA with
+``kvlab[gpu]`` installed, a decode step that does not cascade runs ``kvlab.triton_kernels`` instead, which reads
+the blocks in place, in one launch for a ragged batch too.
 
 Prefix hits: the cache can only hash blocks whose token ids it knows, and ``Decoder`` hands a cache no token ids.
 ``begin(prompts)`` tells it the prompts; ``feed_tokens`` tells it the tokens of the next steps (the sampled ones)::
@@ -68,7 +70,7 @@ import torch
 
 from kvlab.cache.base import CacheCapacityError, CacheShape, KVCache, Rotate, kv_codec, refuse_latent
 from kvlab.cache.block_pool import HOLE, BlockPool, shared_prefix_blocks
-from kvlab.cache.stores import make_store
+from kvlab.cache.stores import fused_kernels, make_store
 from kvlab.kernels import (
     MAX_SCORES,
     attend_slab,
@@ -336,6 +338,13 @@ class PagedKVCache(KVCache):
             return torch.cat(rows)
         if q.shape[-2] > 1:
             return attend_slab(q, *self._gather(layer, self._table, 0, self.length), self._start, window)
+        fused = fused_kernels(q.device)
+        if fused is not None and not self._cascade_blocks():
+            # One launch for the batch, ragged or not, reading each row's blocks in place through its table.
+            lengths = torch.tensor(self._lengths, dtype=torch.int32, device=self.device)
+            keys, values, size = self._keys[layer], self._values[layer], self.block_size
+            out = fused.decode(q[..., 0, :], keys, values, lengths, table=self._table, block_size=size, window=window)
+            return out.unsqueeze(-2)
         if not self._ragged:
             return self._decode(layer, q[..., 0, :], self._table, self.length, window).unsqueeze(-2)
         # Each row over its own blocks, so no row reads another's padding or a token past its own position.
@@ -424,8 +433,9 @@ class PagedKVCache(KVCache):
         padded = [t + [PAD_BLOCK] * (width - len(t)) for t in tables]
         self._table = torch.tensor(padded, dtype=torch.int32, device=self.device).view(len(tables), width)  # [B, m]
         # The block holding the newest token is never read as shared: the next write would copy it first. A
-        # ragged batch shares nothing: cascade needs every row to read the same prefix at the same length.
-        shared = 0 if self._ragged else shared_prefix_blocks(tables)
+        # ragged batch shares nothing: cascade needs every row to read the same prefix at the same length. Only a
+        # cascading cache looks: the scan costs as much as the rest of a step for a large batch of long tables.
+        shared = shared_prefix_blocks(tables) if self.cascade and not self._ragged else 0
         self._n_shared = min(shared, max(self.length - 1, 0) // self.block_size)
 
     def _cascade_blocks(self) -> int:

@@ -40,14 +40,17 @@ Three attention paths, chosen by ``attention``:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
+from types import ModuleType
 
 import torch
 
 from kvlab.cache.base import CacheShape, Rotate, SlabKVCache, refuse_latent, refuse_window
 from kvlab.cache.codecs import Codec, Encoded, IntCodec, get_codec
-from kvlab.kernels import attend_slab, decode_attention, online_softmax_attention
+from kvlab.cache.stores import fused_kernels
+from kvlab.kernels import attend_slab, decode_attention, merge_partials, online_softmax_attention, partial_attention
 from kvlab.validation import require_int
 
 ATTENTION_PATHS: tuple[str, ...] = ("chunked", "naive", "int-dot")
@@ -158,6 +161,9 @@ class QuantizedKVCache(SlabKVCache):
             return attend_slab(q.float(), k.transpose(-1, -2), v, self._start).to(q.dtype)
         if self.attention == "int-dot" and t == 1:
             return self._attend_int_dot(layer, q[..., 0, :].float()).unsqueeze(-2).to(q.dtype)
+        fused = fused_kernels(q.device) if t == 1 else None
+        if fused is not None:
+            return self._attend_fused(fused, layer, q[..., 0, :].float()).unsqueeze(-2).to(q.dtype)
         # Rows of the query matrix are (query head in group, new token): [B, Hkv, G * T, D].
         q_pos = torch.arange(self._start, self._length, device=q.device).repeat(g)
         out = online_softmax_attention(q.float().reshape(b, hkv, g * t, d), self._chunks(layer), q_pos)
@@ -284,6 +290,18 @@ class QuantizedKVCache(SlabKVCache):
                 m = min(self.chunk_size, n - offset)
                 window = slice(slot + offset, slot + offset + m)
                 yield self._ring_k[layer][:, :, window].float(), self._ring_v[layer][:, :, window].float(), pos + offset
+
+    def _attend_fused(self, kernels: ModuleType, layer: int, qs: torch.Tensor) -> torch.Tensor:
+        """The chunked path's decode step on CUDA: ``kvlab.triton_kernels`` reads the quantized tokens' codes in
+        place, merged by lse with the residual ring's tokens. ``qs``: ``[B, Hkv, g, D]``, scaled."""
+        parts = []
+        if self._quant:
+            lengths = torch.full((self.batch_size,), self._quant, dtype=torch.int32, device=qs.device)
+            parts.append(kernels.quantized_decode(qs, self._k[layer], self._v[layer], lengths, return_lse=True))
+        for _, slot, n in self._ring_spans(self._quant, self._length):
+            k, v = self._ring_k[layer][:, :, slot : slot + n], self._ring_v[layer][:, :, slot : slot + n]
+            parts.append(partial_attention(qs, k.float().transpose(-1, -2), v.float()))
+        return functools.reduce(merge_partials, parts)[0]
 
     def _attend_int_dot(self, layer: int, qs: torch.Tensor) -> torch.Tensor:
         """Decode attention with integer ``q . k`` over the quantized tokens. ``qs``: ``[B, Hkv, g, D]``, scaled."""

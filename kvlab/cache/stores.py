@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -213,6 +214,11 @@ class EncodedStore(Store):
             p[..., dst, :] = p[..., src, :]
 
     @property
+    def stored(self) -> Encoded:
+        """The stored form itself, ``[*lead, slots, dim]`` grouped along dim: what a fused kernel reads in place."""
+        return self._store
+
+    @property
     def slot_bytes(self) -> float:
         return self.codec.stored_bytes((1, self.dim), -1, self.group_size)
 
@@ -251,6 +257,18 @@ def make_store(
     return EncodedStore(lead, slots, dim, dtype, device, codec, group_size)
 
 
+def fused_kernels(device: torch.device) -> ModuleType | None:
+    """``kvlab.triton_kernels`` where its decode kernels run on ``device`` (CUDA, with ``kvlab[gpu]`` installed),
+    else ``None``. Only CUDA: on the CPU the torch kernels are the reference, and stay the path taken."""
+    if device.type != "cuda":
+        return None
+    try:
+        from kvlab import triton_kernels
+    except ImportError:
+        return None
+    return triton_kernels if triton_kernels.available(device) else None
+
+
 def attend_stores(
     q: torch.Tensor,
     keys: Store,
@@ -266,8 +284,13 @@ def attend_stores(
     ``q``: ``[B, Hkv, G, T, D]``, scaled, at positions ``q_start ..``. ``values=None``: the values are the keys'
     first ``value_dim`` channels (MLA's latent). A decode step reads only the last ``window`` slots when given one;
     over an encoded store it decodes ``chunk`` slots at a time and merges them by online softmax, so it moves the
-    stored bytes once. Returns ``[B, Hkv, G, T, Dv]``.
+    stored bytes once. On CUDA a decode step runs ``kvlab.triton_kernels`` over the stores in place instead. Returns
+    ``[B, Hkv, G, T, Dv]``.
     """
+    fused = fused_kernels(q.device) if q.shape[-2] == 1 and values is not None else None
+    if fused is not None:
+        lengths = torch.full((q.shape[0],), n, dtype=torch.int32, device=q.device)
+        return fused.decode(q[..., 0, :], keys, values, lengths, window=window).unsqueeze(-2)
     lo = max(0, n - window) if window is not None and q.shape[-2] == 1 else 0
     if q.shape[-2] > 1 or not keys.encoded:
         k = keys.read(n, lo)
