@@ -26,6 +26,7 @@ from kvlab.course import (
     lesson08_heavy_hitters,
     lesson09_kv_quantization,
     lesson10_speculative_decoding,
+    lesson11_capstone_incident,
 )
 from kvlab.engine import Engine, Request, RequestResult, RunReport, SimulatedClock
 from kvlab.model import Decoder
@@ -520,3 +521,36 @@ check_acceptance_estimate = _hidden(lesson10_speculative_decoding.check_acceptan
 check_byte_speedup = _hidden(lesson10_speculative_decoding.check_byte_speedup)
 check_refined_speedup = _hidden(lesson10_speculative_decoding.check_refined_speedup)
 check_spec_roofline = _hidden(lesson10_speculative_decoding.check_spec_roofline)
+
+
+# -- lesson 11 --
+# Other GPUs, dtypes and utilizations; a config of no preset; a ragged batch with a window on a model with local
+# layers; ratios where the term that added the most bytes is not the one that grew the most.
+CASES.update(
+    {
+        "check_pool_tokens": (
+            ("llama-3.1-70b", "mi300x", "int8", 0.92),
+            ("qwen3-4b", "rtx-4090", None, 0.8),
+            (_MQA_TIED, "l4", "int4", 0.5),
+        ),
+        "check_step_terms": (
+            ("qwen3-8b", (40960, 7, 1024, 20000), "int4", None, 0),
+            ("gemma-3-27b", (131072, 2048), "fp8", 8192, 16),
+            (_GQA, (1, 2, 3), None, 2, 1),
+            ("gpt-oss-20b", (5000,) * 3, None, None, 0),
+        ),
+        "check_grown_term": (
+            ({"weights": 7e9, "kv": 3e9}, {"weights": 7e9, "kv": 3.3e9}),
+            ({"weights": 1e9, "kv": 8e9}, {"weights": 4e9, "kv": 24e9}),
+        ),
+    }
+)
+check_pool_tokens = _hidden(lesson11_capstone_incident.check_pool_tokens)
+check_step_terms = _hidden(lesson11_capstone_incident.check_step_terms)
+check_grown_term = _hidden(lesson11_capstone_incident.check_grown_term)
+HELD_OUT_SEEDS = (1001, 1002, 1003)  # traces the lesson never shows
+
+
+def check_fix(fix: object, model: Decoder | None = None) -> None:
+    """The learner's fix replayed on held-out traces (the SLOs) and held-out chats on the checkpoint (the floor)."""
+    lesson11_capstone_incident.check_fix(fix, model, seeds=HELD_OUT_SEEDS, reveal=False)

@@ -119,6 +119,7 @@ from kvlab.course.lesson10_speculative_decoding import (
     check_refined_speedup,
     check_spec_roofline,
 )
+from kvlab.course.lesson11_capstone_incident import check_fix, check_grown_term, check_pool_tokens, check_step_terms
 
 __all__ = [
     "ABSORBED_MAX_SHARE",
@@ -165,8 +166,10 @@ __all__ = [
     "check_error_audit",
     "check_expected_tokens",
     "check_fit_tpot",
+    "check_fix",
     "check_fixed_overhead",
     "check_fp8_kv_tpot",
+    "check_grown_term",
     "check_h2o_bytes_per_step",
     "check_h2o_keep",
     "check_kept_positions",
@@ -182,6 +185,7 @@ __all__ = [
     "check_passkey_kept",
     "check_passkey_rank",
     "check_percentile",
+    "check_pool_tokens",
     "check_predict_layouts",
     "check_prefill_flops",
     "check_prefix_hit_tokens",
@@ -200,6 +204,7 @@ __all__ = [
     "check_spec_roofline",
     "check_split_slope",
     "check_step_bytes",
+    "check_step_terms",
     "check_stream_ms",
     "check_throughput_latency",
     "check_tpot_after_hit",

@@ -24,6 +24,7 @@ from datasheets (``kvlab.presets``).
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 from kvlab.config import WEIGHT_COMPONENTS, ModelConfig
@@ -277,11 +278,13 @@ def kv_tokens_read(
     if shared_prefix > context:
         raise ValueError(f"shared_prefix: {shared_prefix}; allowed: at most the context ({context})")
     shared = per_sequence = 0
-    for layer_window in cfg.layer_windows or (None,) * cfg.n_layers:
+    # Layers with the same window read the same tokens: one pass per distinct window (a simulated clock asks this
+    # for every row of every step).
+    for layer_window, n_layers in Counter(cfg.layer_windows or (None,) * cfg.n_layers).items():
         for start, end in _kept_intervals(context, layer_window, window, sinks):
             in_prefix = max(0, min(end, shared_prefix) - start)
-            shared += in_prefix
-            per_sequence += end - start - in_prefix
+            shared += n_layers * in_prefix
+            per_sequence += n_layers * (end - start - in_prefix)
     return TokensRead(shared, per_sequence)
 
 

@@ -166,16 +166,8 @@ class ChatSession:
 
     def _apply_cap(self, incoming: int) -> None:
         pinned = len(self.system) + len(self.summary)
-        if pinned + incoming > self.cap:
-            raise ValueError(
-                f"cap: {self.cap} tokens cannot hold the system prompt and summary ({pinned}) plus this turn "
-                f"({incoming}); allowed: a cap >= {pinned + incoming}, or a shorter turn"
-            )
         before = self.context
-        n_drop, total = 0, len(before)
-        while total + incoming > self.cap:
-            total -= len(self.turns[n_drop].tokens)
-            n_drop += 1
+        n_drop = turns_to_drop(pinned, [len(t.tokens) for t in self.turns], incoming, self.cap)
         if n_drop:
             self.turns = self.turns[n_drop:]
             self._rebuild("cap", n_drop, before)
@@ -210,6 +202,21 @@ class ChatSession:
         if count:
             self.prefill_tokens += len(tokens)
         return self.logits
+
+
+def turns_to_drop(pinned: int, turns: Sequence[int], incoming: int, cap: int) -> int:
+    """The cap's rule: how many of the oldest ``turns`` (their lengths, oldest first) must go so that the ``pinned``
+    tokens (system prompt, summary), the turns kept and the ``incoming`` turn fit in ``cap`` tokens."""
+    if pinned + incoming > cap:
+        raise ValueError(
+            f"cap: {cap} tokens cannot hold the pinned {pinned} (system prompt, summary) plus this turn ({incoming}); "
+            f"allowed: a cap >= {pinned + incoming}, or a shorter turn"
+        )
+    n_drop, total = 0, pinned + sum(turns)
+    while total + incoming > cap:
+        total -= turns[n_drop]
+        n_drop += 1
+    return n_drop
 
 
 def _new_cache(model: Decoder, batch_size: int, capacity: int) -> KVCache:

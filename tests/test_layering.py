@@ -8,6 +8,7 @@ model -> course checkers -> cli. Modules on one level may import each other. A n
 from __future__ import annotations
 
 import fnmatch
+import importlib.util
 import json
 import os
 import pkgutil
@@ -24,16 +25,18 @@ LEVELS: tuple[tuple[str, ...], ...] = (
      "kvlab.roofline", "kvlab.data"),
     ("kvlab.device", "kvlab.timing", "kvlab.tokenizer", "kvlab.sampling"),
     ("kvlab.layers",),
-    ("kvlab.kernels",),
+    ("kvlab.kernels", "kvlab.triton_kernels"),
     ("kvlab.cache", "kvlab.cache.*"),
     ("kvlab.attention", "kvlab.mla"),
     ("kvlab.model",),
-    ("kvlab.bench", "kvlab.breakdown", "kvlab.endpoint", "kvlab.engine", "kvlab.quality", "kvlab.serve",
-     "kvlab.session", "kvlab.hf", "kvlab.pretrained", "kvlab.speculative", "kvlab.train"),
+    ("kvlab.bench", "kvlab.breakdown", "kvlab.cuda_graphs", "kvlab.endpoint", "kvlab.engine", "kvlab.incident",
+     "kvlab.quality", "kvlab.serve", "kvlab.session", "kvlab.hf", "kvlab.pretrained", "kvlab.speculative",
+     "kvlab.train"),
     ("kvlab.course", "kvlab.course.*", "kvlab.checks"),
     ("kvlab.cli", "kvlab.report"),
 )  # fmt: skip
 TORCH_FREE_LEVELS = 1  # the arithmetic: `kvlab predict` and the byte model never wait for torch
+OPTIONAL = {"kvlab.triton_kernels": "triton"}  # modules of an extra (kvlab[gpu]): the package each needs
 
 
 def level(module: str) -> int:
@@ -124,6 +127,8 @@ def test_every_module_has_a_level() -> None:
 
 @pytest.mark.parametrize("module", MODULES)
 def test_module_loads_nothing_above_it(module: str, loaded: dict[str, dict]) -> None:
+    if module in OPTIONAL and importlib.util.find_spec(OPTIONAL[module]) is None:
+        pytest.skip(f"{module} needs {OPTIONAL[module]}, which is not installed (pip install 'kvlab[gpu]')")
     assert "error" not in loaded[module], f"import {module} alone failed:\n{loaded[module].get('error')}"
     above = [m for m in loaded[module]["kvlab"] if level(m) > level(module)]
     assert not above, f"importing {module} (level {level(module)}) loaded modules above it: {above}"

@@ -123,7 +123,7 @@ class BlockPool:
         """Blocks holding the K/V of ``token_ids``' leading full blocks, as far as the cache has them."""
         blocks, parent_hash, parent_serial = [], None, None
         for i in range(len(token_ids) // self.block_size):
-            chunk = tuple(int(t) for t in token_ids[i * self.block_size : (i + 1) * self.block_size])
+            chunk = tuple(map(int, token_ids[i * self.block_size : (i + 1) * self.block_size]))
             key = chain_hash(parent_hash, chunk)
             entry = self._entries.get(self._by_hash.get(key, -1))
             if entry is None or entry.tokens != chunk or entry.parent_serial != parent_serial:

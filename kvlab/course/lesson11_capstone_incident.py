@@ -1,0 +1,186 @@
+"""Lesson 11, the capstone incident: the KV pool a GPU holds beside the weights, the two terms of a decode step's
+bytes over a ragged batch, the term that grew between two moments of the incident, and the fix, judged by replaying
+it (the SLOs at scale, the quality floor on the checkpoint), never by numbers the learner types."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from kvlab.config import ModelConfig
+from kvlab.course.grading import _call, _close, _exact_int, _fail, _is_real, _label
+from kvlab.incident import INCIDENT, PUBLIC_SEEDS, Fix, Incident, pool_tokens
+from kvlab.model import Decoder
+from kvlab.presets import get_gpu, get_model
+from kvlab.roofline import kv_bytes_per_step, weight_bytes_read
+
+__all__ = ["check_fix", "check_grown_term", "check_pool_tokens", "check_step_terms"]
+
+TERMS = ("weights", "kv")
+
+
+def _model(model: str | ModelConfig) -> ModelConfig:
+    return get_model(model) if isinstance(model, str) else model
+
+
+# -- exercise 1: the pool -------------------------------------------------------------------------------------------
+_POOL_CASES = (
+    ("llama-3.1-8b", "h100-sxm", None, 0.9),
+    ("llama-3.1-8b", "h100-sxm", "fp8", 0.9),
+    ("qwen3-8b", "l40s", "int4", 0.85),  # int4 with its fp16 scales: a fractional byte count per token
+)
+
+
+def check_pool_tokens(fn: Callable, cases: Sequence[tuple] = _POOL_CASES, reveal: bool = True) -> None:
+    """``fn(cfg, gpu, kv_dtype, utilization)`` must equal ``kvlab.incident.pool_tokens`` exactly (an int)."""
+    for model, gpu, kv_dtype, utilization in cases:
+        cfg, spec = _model(model), get_gpu(gpu) if isinstance(gpu, str) else gpu
+        quantity = f"pool_tokens({_label(cfg)}, {spec.name}, kv_dtype={kv_dtype!r}, utilization={utilization})"
+        got = _call(quantity, fn, cfg, spec, kv_dtype, utilization)
+        want = pool_tokens(cfg, spec, kv_dtype, utilization)
+        weights_only = int(utilization * spec.memory_gb * 1e9 // 1)
+        _exact_int(
+            quantity,
+            got,
+            want,
+            "tokens",
+            "Take utilization x memory_gb x 1e9 bytes, subtract weight_bytes(cfg), divide by "
+            "kv_bytes_per_token(cfg, kv_dtype), round down.",
+            reveal,
+            slips=((weights_only // max(1, round(want and (weights_only / want))), "Subtract the weights first."),),
+            to_int="Return an int, rounded down (// or math.floor): a token's K/V fits whole or not at all.",
+        )
+
+
+# -- exercise 2: a step's two terms ---------------------------------------------------------------------------------
+def step_terms(
+    cfg: ModelConfig, contexts: Sequence[int], kv_dtype: str | None = None, window: int | None = None, sinks: int = 0
+) -> dict[str, int]:
+    """kvlab's answer: the weights a batch of ``len(contexts)`` reads once, and each row's KV at its own context."""
+    kv = sum(kv_bytes_per_step(cfg, c, 1, kv_dtype, window, sinks) for c in contexts)
+    return {"weights": weight_bytes_read(cfg, batch=len(contexts)), "kv": kv}
+
+
+_STEP_CASES = (
+    ("llama-3.1-8b", (1200, 30000, 45000), None, None, 0),
+    ("llama-3.1-8b", (32768,) * 4, "fp8", 4096, 4),
+    ("mixtral-8x7b", (100, 9000), "int8", None, 0),  # MoE: a batch of 2 reads more experts than a batch of 1
+    ("gemma-2-9b", (16000, 500), None, None, 0),  # local layers read at most their window
+)
+
+
+def check_step_terms(fn: Callable, cases: Sequence[tuple] = _STEP_CASES, reveal: bool = True) -> None:
+    """``fn(cfg, contexts, kv_dtype, window, sinks)`` must return ``{"weights": int, "kv": int}`` equal to
+    ``step_terms``: ``weight_bytes_read(cfg, batch=len(contexts))`` and the sum of each row's
+    ``kv_bytes_per_step(cfg, context, 1, kv_dtype, window, sinks)``."""
+    for model, contexts, kv_dtype, window, sinks in cases:
+        cfg = _model(model)
+        quantity = f"step_terms({_label(cfg)}, contexts={list(contexts)}, {kv_dtype!r}, window={window}, sinks={sinks})"
+        got = _call(quantity, fn, cfg, list(contexts), kv_dtype, window, sinks)
+        if not isinstance(got, Mapping) or set(got) != set(TERMS):
+            _fail(quantity, got, f"a dict with exactly the keys {list(TERMS)}", "Return {'weights': ..., 'kv': ...}.")
+        want = step_terms(cfg, contexts, kv_dtype, window, sinks)
+        per_row_once = kv_bytes_per_step(cfg, max(contexts), len(contexts), kv_dtype, window, sinks)
+        _exact_int(
+            f"{quantity}['weights']",
+            got["weights"],
+            want["weights"],
+            "bytes",
+            "The weights are read once per step for the whole batch: weight_bytes_read(cfg, batch=len(contexts)) "
+            "(a mixture of experts reads the experts its batch routes to).",
+            reveal,
+            slips=((weight_bytes_read(cfg, batch=1) * len(contexts), "Each row does not read the weights again."),),
+        )
+        _exact_int(
+            f"{quantity}['kv']",
+            got["kv"],
+            want["kv"],
+            "bytes",
+            "Each row reads its own context's K/V: sum kv_bytes_per_step(cfg, c, 1, kv_dtype, window, sinks) over "
+            "the rows.",
+            reveal,
+            slips=((per_row_once, "The rows are at different contexts: sum each one's, not the longest's x batch."),),
+        )
+
+
+# -- exercise 3: the term that grew ---------------------------------------------------------------------------------
+def grown_term(early: Mapping[str, float], late: Mapping[str, float]) -> tuple[str, float]:
+    """The term whose ``late / early`` ratio is largest, and that ratio."""
+    return max(((t, late[t] / early[t]) for t in TERMS), key=lambda pair: pair[1])
+
+
+_GROWN_CASES = (
+    ({"weights": 16e9, "kv": 2e9}, {"weights": 16e9, "kv": 40e9}),
+    ({"weights": 90e9, "kv": 1e9}, {"weights": 140e9, "kv": 1.2e9}),  # a MoE batch that grew: the weights did
+    ({"weights": 5e9, "kv": 5e9}, {"weights": 5e9, "kv": 7e9}),
+)
+
+
+def check_grown_term(fn: Callable, cases: Sequence[tuple] = _GROWN_CASES, reveal: bool = True) -> None:
+    """``fn(early, late)`` must return ``(term, ratio)``: the key of the term with the largest late/early ratio
+    (``"weights"`` or ``"kv"``), and that ratio."""
+    for early, late in cases:
+        quantity = f"grown_term({dict(early)}, {dict(late)})"
+        got = _call(quantity, fn, dict(early), dict(late))
+        if not isinstance(got, tuple) or len(got) != 2:
+            _fail(quantity, got, "a tuple (term, ratio)", "Return the term's name and its late / early ratio.")
+        want_term, want_ratio = grown_term(early, late)
+        if got[0] not in TERMS:
+            _fail(f"{quantity}[0]", got[0], f"one of {list(TERMS)}", "Name the term by its key.")
+        if got[0] != want_term:
+            _fail(
+                f"{quantity}[0]",
+                got[0],
+                "term",
+                "Compare ratios (late / early), not differences: a term can add more bytes and still grow less.",
+                want_term,
+                reveal,
+            )
+        _close(f"{quantity}[1]", got[1], want_ratio, "x", "The ratio is late / early of that term.", reveal)
+
+
+# -- exercise 4: the fix --------------------------------------------------------------------------------------------
+def check_fix(
+    fix: Any,
+    model: Decoder | None = None,
+    seeds: Sequence[int] = PUBLIC_SEEDS,
+    incident: Incident = INCIDENT,
+    reveal: bool = True,
+) -> None:
+    """Replay ``fix`` on the incident's traces of ``seeds`` (the SLOs at scale) and on the checkpoint (the floor).
+
+    Nothing the learner computed is trusted: the check measures. With ``reveal`` off it still names what was
+    missed (the SLOs and floors are the lesson's own public numbers), but not the measurements on its traces.
+    """
+    if not isinstance(fix, Fix):
+        _fail("fix", fix, "a kvlab.incident.Fix", "Build it with Fix(prefix_caching=..., kv_dtype=..., ...).")
+    try:
+        verdict = incident.judge(fix, seeds, model)
+    except ValueError as e:
+        raise AssertionError(f"fix: {fix.describe()}: the replay refused it: {e}") from None
+    q = verdict.quality
+    missed = []
+    if verdict.p99_tpot_ms > incident.slo_p99_tpot_ms:
+        missed.append(f"P99 TPOT {_shown(verdict.p99_tpot_ms, reveal)} ms > the SLO's {incident.slo_p99_tpot_ms} ms")
+    if verdict.p99_ttft_ms > incident.slo_p99_ttft_ms:
+        missed.append(f"P99 TTFT {_shown(verdict.p99_ttft_ms, reveal)} ms > the SLO's {incident.slo_p99_ttft_ms} ms")
+    if q.recall < incident.recall_floor:
+        missed.append(
+            f"passkey recall {_shown(q.recall, reveal)} < the floor's {incident.recall_floor} (a fact "
+            f"{incident.horizon:,} tokens back was lost)"
+        )
+    if q.ppl_ratio > 1 + incident.ppl_tolerance:
+        missed.append(
+            f"perplexity {_shown(q.ppl_ratio, reveal)} x the full cache's > the floor's {1 + incident.ppl_tolerance}"
+        )
+    if missed:
+        raise AssertionError(
+            f"fix ({fix.describe()}): " + "; ".join(missed) + ". Read which lever moves each: the bytes breakdown "
+            "for TPOT, what must be prefilled again for TTFT, what the cache drops for recall."
+        )
+
+
+def _shown(value: float, reveal: bool) -> str:
+    if not _is_real(value):
+        return repr(value)
+    return f"{value:.3g}" if reveal else "(measured on the grader's traces)"
