@@ -5,7 +5,7 @@ session, then turns (a user message; a reply of a known length), each sent a thi
 ended. ``replay`` plays it through ``kvlab.engine.Engine`` as a closed loop (``Engine.run``'s ``follow_up``): each
 turn's prompt is the conversation so far, the generated replies included, so a prefix cache sees what a real one
 would. A ``Fix`` is what a team can ship without touching the model: prefix caching, a KV dtype, a window with sinks,
-a session cap (``kvlab.session.turns_to_drop``, the rule ``ChatSession`` applies).
+a session cap (``kvlab.session.turns_to_drop``, the rule ``kvlab.session.ChatSession`` applies).
 
 The same trace plays at two scales, through the same engine:
 
@@ -64,7 +64,7 @@ class ChatTurn:
 
 
 @dataclass(frozen=True)
-class ChatSession:
+class TraceSession:
     start_s: float
     turns: tuple[ChatTurn, ...]
 
@@ -74,7 +74,7 @@ class ChatTrace:
     """Sessions sharing one system prompt. ``tokens_at_end(s)``: session ``s``'s context after its last reply."""
 
     system: tuple[int, ...]
-    sessions: tuple[ChatSession, ...]
+    sessions: tuple[TraceSession, ...]
 
     def tokens_at_end(self, s: int) -> int:
         return len(self.system) + sum(len(t.user) + t.reply_tokens for t in self.sessions[s].turns)
@@ -149,7 +149,7 @@ def chat_trace(shape: TraceShape, seed: int, text: Sequence[int] | torch.Tensor 
             n_reply = rng.randint(*shape.reply_tokens)
             think = rng.uniform(*shape.think_s)
             turns.append(ChatTurn(piece(n_user), n_reply, think))
-        sessions.append(ChatSession(start, tuple(turns)))
+        sessions.append(TraceSession(start, tuple(turns)))
     return ChatTrace(system, tuple(sessions))
 
 

@@ -12,11 +12,11 @@ from kvlab.engine import Engine, Request
 from kvlab.incident import (
     INCIDENT,
     SCALE,
-    ChatSession,
     ChatTrace,
     ChatTurn,
     Fix,
     ScriptedModel,
+    TraceSession,
     TraceShape,
     at_scale,
     chat_trace,
@@ -130,7 +130,7 @@ def test_scripted_replay_runs_the_engines_bookkeeping():
     """The stand-in model claims the slots a model would: prefix hits, a cap's dropped turns, a deterministic clock."""
     trace = ChatTrace(
         tuple(range(64)),
-        tuple(ChatSession(0.01 * s, tuple(ChatTurn(tuple(range(100 + s, 164 + s)), 8, 0.5) for _ in range(4)))
+        tuple(TraceSession(0.01 * s, tuple(ChatTurn(tuple(range(100 + s, 164 + s)), 8, 0.5) for _ in range(4)))
               for s in range(3)),
     )  # fmt: skip
     cfg = get_model("llama-3.1-8b")
