@@ -64,13 +64,18 @@ def test_unanswered_lesson_passes_no_test(name):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+APPENDIX = sorted(p.name for p in (REPO / "appendix").glob("*.ipynb"))
+
+
 @pytest.mark.notebooks
-def test_appendix_runs_in_quick_mode(tmp_path, monkeypatch):
-    """The serving appendix (not graded): it starts kvlab serve, measures it through the API, stops it cleanly."""
+@pytest.mark.parametrize("name", APPENDIX)
+def test_appendix_runs_in_quick_mode(name, tmp_path, monkeypatch):
+    """The appendix notebooks (not graded) run cleanly in quick mode: the serving one starts kvlab serve, measures it
+    through the API and stops it; the GPU one runs bench/gpu_check.py's dry run where no GPU run is recorded."""
     from nbclient import NotebookClient
 
-    nb = nbformat.read(REPO / "appendix" / "serving_under_load.ipynb", as_version=4)
-    assert all(c.outputs == [] for c in nb.cells if c.cell_type == "code"), "appendix: outputs committed"
+    nb = nbformat.read(REPO / "appendix" / name, as_version=4)
+    assert all(c.outputs == [] for c in nb.cells if c.cell_type == "code"), f"appendix/{name}: outputs committed"
     monkeypatch.setenv("KVLAB_QUICK", "1")  # the kernel inherits it
     NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     for cell in (c for c in nb.cells if c.cell_type == "code"):
