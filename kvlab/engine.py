@@ -471,8 +471,9 @@ class Engine:
                 self.step()
                 if follow_up is not None:
                     for x in self._finished:
-                        for r in follow_up(x.index, list(x.output), self.clock.now()):
-                            live.append(self._follow(r, len(live), self.clock.now(), errors))
+                        finish = x.token_times[-1]  # its last token's stamp: a real clock has moved on since
+                        for r in follow_up(x.index, list(x.output), finish):
+                            live.append(self._follow(r, len(live), finish, errors))
                             if errors[live[-1].index] is None:
                                 bisect.insort_left(arrivals, live[-1], key=lambda y: -y.arrival)
         finally:

@@ -158,13 +158,16 @@ def chat_trace(shape: TraceShape, seed: int, text: Sequence[int] | torch.Tensor 
 class Fix:
     """What the team ships: each field a cache lever the engine has, in tokens at the incident's scale.
 
+    ``Fix()`` is what the service runs before the incident: vLLM's defaults, prefix caching on (its V1 engine's
+    default) and KV in the model's dtype, no window, no cap.
+
     ``kv_dtype``: what the KV blocks store (``kvlab.dtypes.KV_DTYPES``; ``None``: the model's own dtype).
     ``window`` + ``sinks``: each request keeps its first ``sinks`` and its ``window`` most recent tokens.
     ``session_cap``: before a turn would take a conversation past this many tokens, its oldest turns are dropped
     (the system prompt stays), so the next prompt is shorter and must be prefilled again from the system prompt on.
     """
 
-    prefix_caching: bool = False
+    prefix_caching: bool = True
     kv_dtype: str | None = None
     window: int | None = None
     sinks: int = 0

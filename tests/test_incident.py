@@ -137,7 +137,7 @@ def test_scripted_replay_runs_the_engines_bookkeeping():
     plain, cached = (at_scale(trace, Fix(prefix_caching=p), cfg, "h100-sxm") for p in (False, True))
     assert plain.report.prefix_hit_tokens == 0 < cached.report.prefix_hit_tokens
     assert [r.output_ids for r in plain.report.results] == [[0] * 8] * 12
-    assert plain.report.metrics() == at_scale(trace, Fix(), cfg, "h100-sxm").report.metrics()
+    assert plain.report.metrics() == at_scale(trace, Fix(prefix_caching=False), cfg, "h100-sxm").report.metrics()
     capped = at_scale(trace, Fix(prefix_caching=True, session_cap=64 + 3 * 72), cfg, "h100-sxm")
     assert [t.dropped_turns for t in capped.turns if t.session == 0] == [0, 0, 0, 1]
     assert max(t.prompt_tokens for t in capped.turns) <= 64 + 3 * 72
@@ -156,14 +156,18 @@ def test_public_checkers_accept_kvlab_and_refuse_slips():
         lesson11.check_step_terms(lambda c, ctx, d, w, s: lesson11.step_terms(c, [max(ctx)] * len(ctx), d, w, s))
     with pytest.raises(AssertionError, match="ratio"):
         lesson11.check_grown_term(lambda e, late: max(((t, late[t] - e[t]) for t in e), key=lambda p: p[1]))
+    with pytest.raises(AssertionError, match="not early by late"):
+        lesson11.check_grown_term(lambda e, late: max(((t, e[t] / late[t]) for t in e), key=lambda p: p[1]))
 
 
 @pytest.mark.slow
 def test_check_fix_measures_both_halves(tiny):
     """The lesson's answer passes; the empty fix misses the SLOs; a window shorter than the horizon forgets."""
     lesson11.check_fix(Fix(prefix_caching=True, kv_dtype="int4"), tiny, seeds=(0,))
+    with pytest.raises(AssertionError, match="P99 TPOT"):
+        lesson11.check_fix(Fix(), tiny, seeds=(0,))  # the service before the incident
     with pytest.raises(AssertionError, match="P99 TTFT"):
-        lesson11.check_fix(Fix(), tiny, seeds=(0,))
+        lesson11.check_fix(Fix(prefix_caching=False, kv_dtype="int4"), tiny, seeds=(0,))
     with pytest.raises(AssertionError, match="recall"):
         lesson11.check_fix(Fix(prefix_caching=True, window=4096, sinks=4), tiny, seeds=(0,), reveal=False)
     with pytest.raises(AssertionError, match="Fix"):

@@ -32,7 +32,7 @@ _POOL_CASES = (
 
 
 def check_pool_tokens(fn: Callable, cases: Sequence[tuple] = _POOL_CASES, reveal: bool = True) -> None:
-    """``fn(cfg, gpu, kv_dtype, utilization)`` must equal ``kvlab.incident.pool_tokens`` exactly (an int)."""
+    """``fn(cfg, gpu, kv_dtype, utilization)``: the tokens of K/V that fit beside the weights, an exact int."""
     for model, gpu, kv_dtype, utilization in cases:
         cfg, spec = _model(model), get_gpu(gpu) if isinstance(gpu, str) else gpu
         quantity = f"pool_tokens({_label(cfg)}, {spec.name}, kv_dtype={kv_dtype!r}, utilization={utilization})"
@@ -70,9 +70,8 @@ _STEP_CASES = (
 
 
 def check_step_terms(fn: Callable, cases: Sequence[tuple] = _STEP_CASES, reveal: bool = True) -> None:
-    """``fn(cfg, contexts, kv_dtype, window, sinks)`` must return ``{"weights": int, "kv": int}`` equal to
-    ``step_terms``: ``weight_bytes_read(cfg, batch=len(contexts))`` and the sum of each row's
-    ``kv_bytes_per_step(cfg, context, 1, kv_dtype, window, sinks)``."""
+    """``fn(cfg, contexts, kv_dtype, window, sinks)``: ``{"weights": int, "kv": int}``, the bytes one decode step
+    over a batch at those contexts reads, each term exact."""
     for model, contexts, kv_dtype, window, sinks in cases:
         cfg = _model(model)
         quantity = f"step_terms({_label(cfg)}, contexts={list(contexts)}, {kv_dtype!r}, window={window}, sinks={sinks})"
@@ -128,14 +127,13 @@ def check_grown_term(fn: Callable, cases: Sequence[tuple] = _GROWN_CASES, reveal
         if got[0] not in TERMS:
             _fail(f"{quantity}[0]", got[0], f"one of {list(TERMS)}", "Name the term by its key.")
         if got[0] != want_term:
-            _fail(
-                f"{quantity}[0]",
-                got[0],
-                "term",
-                "Compare ratios (late / early), not differences: a term can add more bytes and still grow less.",
-                want_term,
-                reveal,
+            inverted = max(TERMS, key=lambda t: early[t] / late[t])
+            slip = (
+                "Divide late by early, not early by late."
+                if got[0] == inverted
+                else "Compare ratios (late / early), not differences: a term can add more bytes and still grow less."
             )
+            _fail(f"{quantity}[0]", got[0], "term", slip, want_term, reveal)
         _close(f"{quantity}[1]", got[1], want_ratio, "x", "The ratio is late / early of that term.", reveal)
 
 
