@@ -225,17 +225,14 @@ class Replay:
     turns: tuple[TurnRecord, ...]
     fix: Fix
 
-    @property
-    def p99_tpot_ms(self) -> float:
-        return self.report.metrics()["p99_tpot_ms"]
-
     def answers(self) -> dict[int, int]:
-        """Each session's last reply's first token (the passkey runs ask for it there)."""
+        """Each session's last reply's first token (the passkey runs ask for it there). A session's turns are
+        recorded in order, each after the reply it follows, so the last one recorded wins."""
         last = {}
         for record, result in zip(self.turns, self.report.results, strict=True):
             if result.output_ids:
-                last[record.session] = (record.turn, result.output_ids[0])
-        return {s: token for s, (_, token) in last.items()}
+                last[record.session] = result.output_ids[0]
+        return last
 
     def contexts_at(self, t_s: float) -> list[int]:
         """The contexts of the requests decoding at clock time ``t_s`` (after their first token, before their last),
@@ -312,13 +309,15 @@ class ScriptedModel:
 
     The engine's bookkeeping runs in full (blocks, prefix hits, preemption); the time comes from the clock, a
     ``SimulatedClock`` of the real model. The pool's storage is shaped by ``cfg``, a model of one layer with one
-    narrow KV head, so a pool with a GPU's count of blocks takes a few tens of MB. Every reply token is id 0 (a
+    narrow bf16 KV head, so a pool with an H100's count of blocks takes tens of MB. Every reply token is id 0 (a
     chat's replies are runs of one token; prefix hashes still tell sessions apart, since a block's hash covers
     everything before it).
     """
 
     device = torch.device("cpu")
-    cfg = ModelConfig(n_layers=1, d_model=32, n_heads=1, n_kv_heads=1, d_ff=32, vocab_size=VOCAB_SIZE, name="scripted")
+    cfg = ModelConfig(
+        n_layers=1, d_model=32, n_heads=1, n_kv_heads=1, d_ff=32, vocab_size=VOCAB_SIZE, dtype="bf16", name="scripted"
+    )
 
     def prefill(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         cache.reserve(tokens.shape[1])

@@ -555,3 +555,29 @@ def test_a_model_with_local_layers_decodes_through_paging_as_without_a_cache() -
     logits += [model.decode_step(seq[:, i], paged)[:, None] for i in range(8, 14)]
     # The cache attends over gathered blocks with matmuls; forward runs SDPA over the whole sequence with the mask.
     torch.testing.assert_close(torch.cat(logits, dim=1), model.forward(seq), **KERNEL_TOL)
+
+
+def test_a_sequence_on_consecutive_blocks_is_read_in_place_and_others_gathered(
+    gqa: Decoder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One sequence alone in a fresh pool holds blocks 0, 1, 2, ...: its decode step reads a view of that span, and
+    gives what a gather of the same K/V gives; a sequence whose blocks interleave with another's is gathered."""
+    prompt = torch.arange(1, 40)[None]
+    alone = PagedKVCache.for_model(gqa, 1, None, block_size=4, n_blocks=64)
+    shared = PagedKVCache.for_model(gqa, 2, None, block_size=4, n_blocks=64)
+    gqa.prefill(prompt, alone)
+    for t in range(0, 39, 4):  # two sequences take blocks in turn: neither table is one run
+        gqa.prefill(torch.cat([prompt[:, t : t + 4]] * 2), shared)
+    shared.use(shared.seq_ids[:1])
+    assert alone._run_start(alone._table) == 0 and shared._run_start(shared._table) is None
+    in_place = []
+    gather = PagedKVCache._gather
+
+    def noting(self, layer, table, start, end):
+        in_place.append(self._run_start(table) is not None)
+        return gather(self, layer, table, start, end)
+
+    monkeypatch.setattr(PagedKVCache, "_gather", noting)
+    token = torch.tensor([5])
+    torch.testing.assert_close(gqa.decode_step(token, alone), gqa.decode_step(token, shared), **LAYOUT_TOL)
+    assert in_place == [True] * gqa.cfg.n_layers + [False] * gqa.cfg.n_layers

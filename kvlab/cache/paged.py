@@ -536,6 +536,28 @@ class PagedKVCache(KVCache):
         that holds ``start``, as ``k_t``: ``[B, Hkv, D, n]`` and ``v``: ``[B, Hkv, n, D]`` (floats)."""
         lo = start % self.block_size
         hi = lo + end - start
+        first = self._run_start(table)
+        if first is not None:  # one span of the pool's slots: read it in place, as a contiguous cache would
+            base = first * self.block_size
+            k = self._keys[layer].read(base + hi, base + lo)[None]
+            v = self._values[layer].read(base + hi, base + lo)[None]
+            return k.transpose(-1, -2), v
         k = self._keys[layer].take_blocks(table, self.block_size)[:, :, lo:hi]
         v = self._values[layer].take_blocks(table, self.block_size)[:, :, lo:hi]
         return k.transpose(-1, -2), v
+
+    def _run_start(self, table: torch.Tensor) -> int | None:
+        """The first block id when ``table`` is one row of consecutive float blocks on the CPU, else None.
+
+        Such a row is one span of slots, and a view of it is what the gather would copy. A sequence alone in a
+        pool gets its blocks in order, so a single request (``kvlab serve --max-batch 1``) decodes without the
+        gather's read-write-read (docs/measurements.md: paged rows). On CUDA the fused kernel reads any table in
+        place; an encoded block is decoded to floats either way.
+        """
+        if table.shape[0] != 1 or self.device.type != "cpu" or self._keys[0].encoded:
+            return None
+        row = table[0]
+        first, n = int(row[0]), row.numel()
+        if first < 0 or int(row[-1]) - first != n - 1 or (n > 2 and not bool((row.diff() == 1).all())):
+            return None
+        return first
