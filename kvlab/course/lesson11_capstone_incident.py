@@ -159,18 +159,19 @@ def check_fix(
     q = verdict.quality
     missed = []
     if verdict.p99_tpot_ms > incident.slo_p99_tpot_ms:
-        missed.append(f"P99 TPOT {_shown(verdict.p99_tpot_ms, reveal)} ms > the SLO's {incident.slo_p99_tpot_ms} ms")
+        slo = f"{incident.slo_p99_tpot_ms:,g}"
+        missed.append(f"P99 TPOT {_shown(verdict.p99_tpot_ms, reveal, ',.1f')} ms > the SLO's {slo} ms")
     if verdict.p99_ttft_ms > incident.slo_p99_ttft_ms:
-        missed.append(f"P99 TTFT {_shown(verdict.p99_ttft_ms, reveal)} ms > the SLO's {incident.slo_p99_ttft_ms} ms")
+        slo = f"{incident.slo_p99_ttft_ms:,g}"
+        missed.append(f"P99 TTFT {_shown(verdict.p99_ttft_ms, reveal, ',.0f')} ms > the SLO's {slo} ms")
     if q.recall < incident.recall_floor:
         missed.append(
-            f"passkey recall {_shown(q.recall, reveal)} < the floor's {incident.recall_floor} (a fact "
+            f"passkey recall {_shown(q.recall, reveal, '.2f')} < the floor's {incident.recall_floor} (a fact "
             f"{incident.horizon:,} tokens back was lost)"
         )
     if q.ppl_ratio > 1 + incident.ppl_tolerance:
-        missed.append(
-            f"perplexity {_shown(q.ppl_ratio, reveal)} x the full cache's > the floor's {1 + incident.ppl_tolerance}"
-        )
+        ratio = _shown(q.ppl_ratio, reveal, ".3f")
+        missed.append(f"perplexity {ratio} x the full cache's > the floor's {1 + incident.ppl_tolerance}")
     if missed:
         raise AssertionError(
             f"fix ({fix.describe()}): " + "; ".join(missed) + ". Read which lever moves each: the bytes breakdown "
@@ -178,7 +179,7 @@ def check_fix(
         )
 
 
-def _shown(value: float, reveal: bool) -> str:
+def _shown(value: float, reveal: bool, spec: str) -> str:
     if not _is_real(value):
         return repr(value)
-    return f"{value:.3g}" if reveal else "(measured on the grader's traces)"
+    return format(value, spec) if reveal else "(measured on the grader's traces)"
