@@ -152,6 +152,8 @@ def test_public_checkers_accept_kvlab_and_refuse_slips():
     lesson11.check_grown_term(lesson11.grown_term)
     with pytest.raises(AssertionError, match="int"):
         lesson11.check_pool_tokens(lambda c, g, d, u: float(pool_tokens(c, g, d, u)))
+    with pytest.raises(AssertionError, match="subtract weight_bytes"):
+        lesson11.check_pool_tokens(lambda c, g, d, u: math.floor(u * g.memory_gb * 1e9 / kv_bytes_per_token(c, d)))
     with pytest.raises(AssertionError, match="different contexts"):
         lesson11.check_step_terms(lambda c, ctx, d, w, s: lesson11.step_terms(c, [max(ctx)] * len(ctx), d, w, s))
     with pytest.raises(AssertionError, match="ratio"):

@@ -4,6 +4,7 @@ it (the SLOs at scale, the quality floor on the checkpoint), never by numbers th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -12,7 +13,7 @@ from kvlab.course.grading import _call, _close, _exact_int, _fail, _is_real, _la
 from kvlab.incident import INCIDENT, PUBLIC_SEEDS, Fix, Incident, pool_tokens
 from kvlab.model import Decoder
 from kvlab.presets import get_gpu, get_model
-from kvlab.roofline import kv_bytes_per_step, weight_bytes_read
+from kvlab.roofline import kv_bytes_per_step, kv_bytes_per_token, weight_bytes_read
 
 __all__ = ["check_fix", "check_grown_term", "check_pool_tokens", "check_step_terms"]
 
@@ -38,7 +39,8 @@ def check_pool_tokens(fn: Callable, cases: Sequence[tuple] = _POOL_CASES, reveal
         quantity = f"pool_tokens({_label(cfg)}, {spec.name}, kv_dtype={kv_dtype!r}, utilization={utilization})"
         got = _call(quantity, fn, cfg, spec, kv_dtype, utilization)
         want = pool_tokens(cfg, spec, kv_dtype, utilization)
-        weights_only = int(utilization * spec.memory_gb * 1e9 // 1)
+        # The slip the lesson's playtest made: the whole memory over the KV per token, the weights left in.
+        no_weights = math.floor(utilization * spec.memory_gb * 1e9 / kv_bytes_per_token(cfg, kv_dtype))
         _exact_int(
             quantity,
             got,
@@ -47,7 +49,7 @@ def check_pool_tokens(fn: Callable, cases: Sequence[tuple] = _POOL_CASES, reveal
             "Take utilization x memory_gb x 1e9 bytes, subtract weight_bytes(cfg), divide by "
             "kv_bytes_per_token(cfg, kv_dtype), round down.",
             reveal,
-            slips=((weights_only // max(1, round(want and (weights_only / want))), "Subtract the weights first."),),
+            slips=((no_weights, "The weights take their share of the memory first: subtract weight_bytes(cfg)."),),
             to_int="Return an int, rounded down (// or math.floor): a token's K/V fits whole or not at all.",
         )
 
