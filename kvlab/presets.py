@@ -53,6 +53,7 @@ class GPU:
     fp8_tflops: float | None
     source: str
     tflops_note: str | None = None  # e.g. which accumulate precision the TFLOP/s figures assume
+    hardware_class: str | None = None  # kvlab.published.HARDWARE_CLASSES: which published measurements compare
 
 
 @cache
@@ -156,6 +157,7 @@ def gpu_presets() -> dict[str, GPU]:
             fp8_tflops=g["fp8_tflops"],
             source=_GPU_SOURCE,
             tflops_note=g.get("tflops_note"),
+            hardware_class=g["hardware_class"],
         )
     return out
 
@@ -177,6 +179,34 @@ def _lookup(presets: dict, name: str, field: str):
     if key not in presets:
         raise ValueError(f"{field}: unknown preset {name!r}; allowed: {', '.join(presets)}")
     return presets[key]
+
+
+def tokenizer_of(name: str) -> str | None:
+    """The tokenizer family a real-model preset uses (``tokenizer`` in the reference table); ``None``: not known
+    (a course preset, or a name that is no preset)."""
+    return _reference()["models"].get(name, {}).get("tokenizer")
+
+
+def draft_of(name: str) -> str | None:
+    """The preset a draft-only preset belongs to (DeepSeek-V3's multi-token-prediction module: ``deepseek-v3``)."""
+    return _reference()["models"].get(name, {}).get("draft_of")
+
+
+def same_vocabulary(target: ModelConfig, draft: ModelConfig) -> str | None:
+    """Why ``draft`` cannot draft for ``target`` (``None``: it can): a draft proposes token ids that the target
+    verifies, so both must use one vocabulary, the same size and, where the presets say, the same tokenizer."""
+    if draft.vocab_size != target.vocab_size:
+        return (
+            f"{draft.name}'s vocabulary has {draft.vocab_size:,} tokens and {target.name}'s {target.vocab_size:,}; "
+            "allowed: a draft with the target's vocabulary"
+        )
+    theirs, ours = tokenizer_of(draft.name), tokenizer_of(target.name)
+    if theirs and ours and theirs != ours:
+        return (
+            f"{draft.name} uses the {theirs} tokenizer and {target.name} the {ours} one ({target.vocab_size:,} tokens "
+            "each, different tokens); allowed: a draft with the target's tokenizer"
+        )
+    return None
 
 
 def params_verified(name: str) -> bool:
