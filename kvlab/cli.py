@@ -22,7 +22,16 @@ from dataclasses import asdict, dataclass
 
 from kvlab.config import ModelConfig
 from kvlab.dtypes import BYTES_PER_ELEMENT, KV_DTYPES, canonical_dtype
-from kvlab.presets import GPU, get_gpu, get_model, gpu_presets, model_presets, params_verified, same_vocabulary
+from kvlab.presets import (
+    GPU,
+    get_gpu,
+    get_model,
+    gpu_presets,
+    model_presets,
+    params_verified,
+    same_vocabulary,
+    served_context,
+)
 from kvlab.published import HARDWARE_CLASSES
 from kvlab.roofline import (
     Prediction,
@@ -298,6 +307,9 @@ def cmd_predict(args: argparse.Namespace) -> int:
             "note: KV payload only, one scale per tensor; pass --group-size G for a scale per G elements "
             "(kvlab's codecs: --group-size 32)"
         )
+    served = served_context(cfg.name) if args.model else None
+    if served is not None and context > served:
+        print(f"note: {cfg.name}'s makers document serving {served:,} tokens; its config allows {cfg.max_seq_len:,}")
     if args.model and not params_verified(cfg.name):
         print(f"note: {cfg.name}'s parameter count is not verified; weights are counted from its shape")
     if cfg.layer_windows and any(w is not None for w in cfg.layer_windows):
@@ -634,7 +646,8 @@ def cmd_models(args: argparse.Namespace) -> int:
         )
     print(
         "active: parameters a batch-1 step reads (MoE: dense parts, shared and top-k routed experts), the input "
-        "embedding counted whole; DeepSeek's and gpt-oss's published active counts leave it out"
+        "embedding counted whole; gpt-oss's published active counts leave it out, DeepSeek's 36.7B includes it "
+        "(README_WEIGHTS.md; kvlab/data/reference_presets.md compares the counts)"
     )
     return 0
 

@@ -187,6 +187,12 @@ def tokenizer_of(name: str) -> str | None:
     return _reference()["models"].get(name, {}).get("tokenizer")
 
 
+def served_context(name: str) -> int | None:
+    """The context a model's makers document serving, where it is shorter than its config's
+    ``max_position_embeddings`` (DeepSeek-V3: 128K against 163,840); ``None`` where none is recorded."""
+    return _reference()["models"].get(name, {}).get("served_context")
+
+
 def draft_of(name: str) -> str | None:
     """The preset a draft-only preset belongs to (DeepSeek-V3's multi-token-prediction module: ``deepseek-v3``)."""
     return _reference()["models"].get(name, {}).get("draft_of")

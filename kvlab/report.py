@@ -26,7 +26,7 @@ from pathlib import Path
 
 from kvlab.cli import Target, draft_step, predict_json, run_predict, speculate
 from kvlab.config import ModelConfig
-from kvlab.presets import draft_of, get_model, model_presets, same_vocabulary, tokenizer_of
+from kvlab.presets import draft_of, get_model, model_presets, same_vocabulary, served_context, tokenizer_of
 from kvlab.published import published_speculative
 from kvlab.roofline import (
     Prediction,
@@ -174,6 +174,12 @@ def _breakdown(target: Target, p: Prediction) -> dict:
             + (f" + {m.n_shared_experts} shared" if m.n_shared_experts else "")
             + f"; at batch {p.batch} a step reads {p.experts_read:,.1f} distinct experts per MoE layer "
             "(uniform routing: an upper end)"
+        )
+    served = served_context(cfg.name)
+    if served is not None:
+        notes.append(
+            f"{cfg.name}'s makers document a served context of {served:,} tokens; its config allows "
+            f"{cfg.max_seq_len:,} (kvlab/data/reference_presets.md)"
         )
     windows = [w for w in cfg.layer_windows or () if w is not None]
     if windows:

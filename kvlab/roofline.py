@@ -147,8 +147,8 @@ def active_params(cfg: ModelConfig, batch: int = 1, input_embedding: str = "tabl
     parameters") rising toward ``param_count`` as the batch grows.
 
     ``input_embedding``: ``"table"`` (default) counts an untied input embedding whole, as Mixtral's published 12.9B
-    active does; ``"rows"`` counts the one row per sequence a step looks up, as DeepSeek-V3's (36.6B, "37B") and
-    gpt-oss's (3.6B, 5.1B) published active counts do.
+    active and DeepSeek-V3's 36.7B (its README_WEIGHTS.md: embedding and head included) do; ``"rows"`` counts the
+    one row per sequence a step looks up, as gpt-oss's (3.6B, 5.1B) published active counts do.
 
     For FLOPs, use ``batch=1``: each token multiplies by its own ``top_k`` experts only, so a step's matmul FLOPs are
     about ``2 x active_params(cfg, 1) x batch`` (minus the input lookup, which does no multiply), while the bytes it
