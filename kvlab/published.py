@@ -185,15 +185,15 @@ def matching_fraction_range(
 ) -> FractionRange:
     """The published rows that match the target, and the spread of bandwidth fractions they reached.
 
-    Systems differ most by hardware class (a datacenter GPU's kernels and an Apple GPU's differ; ``None``: not
-    known, any class), then by regime (batch 1 against batched: a batched step adds work the byte model does not
-    charge), then by weight format (quantized weights reach less of the bandwidth: dequantization and fixed
-    per-step costs weigh more against fewer bytes). The first of these levels with at least ``MIN_ROWS`` rows
-    sets the range:
+    Systems differ by hardware class (a datacenter GPU's kernels and an Apple GPU's differ; ``None``: not known,
+    any class), by regime (batch 1 against batched: a batched step adds work the byte model does not charge), and
+    by weight format (quantized weights reach less of the bandwidth: dequantization and fixed per-step costs weigh
+    more against fewer bytes). The first of these levels with at least ``MIN_ROWS`` rows sets the range:
 
     1. same class, same regime, same weight format
     2. same class, same regime
-    3. same class
+    3. the class's rows of any regime together with the regime's rows of any class (only where the class has rows:
+       neither alone says how that class behaves in that regime, so the range spans both)
     4. any class, same regime, same weight format
     5. any class, same regime
     6. every row
@@ -205,27 +205,27 @@ def matching_fraction_range(
         _hardware_class(hardware_class, "hardware_class")
     rows = published_decode() if rows is None else rows
     batched = batch > 1
-    levels: list[tuple[str | None, bool | None, bool | None]] = [
-        (hardware_class, batched, quantized),
-        (hardware_class, batched, None),
-        (hardware_class, None, None),
-        (None, batched, quantized),
-        (None, batched, None),
-        (None, None, None),
-    ]
-    for cls, regime, weights in levels:
-        chosen = tuple(r for r in rows if _matches(r, cls, regime, weights))
+    wanted = _describe(hardware_class, batched, quantized)
+    regime = "batched" if batched else "batch 1"
+    levels: list[tuple[str, tuple[PublishedDecode, ...]]] = []
+    if hardware_class is not None:
+        own = tuple(r for r in rows if _matches(r, hardware_class, None, None))
+        levels += [
+            (wanted, tuple(r for r in own if _matches(r, None, batched, quantized))),
+            (_describe(hardware_class, batched, None), tuple(r for r in own if _matches(r, None, batched, None))),
+        ]
+        if own:
+            either = tuple(r for r in rows if r in own or _matches(r, None, batched, None))
+            levels.append((f"{_describe(hardware_class, None, None)} at any batch, or any hardware {regime}", either))
+    for weights in (quantized, None):
+        levels.append(
+            (_describe(None, batched, weights), tuple(r for r in rows if _matches(r, None, batched, weights)))
+        )
+    levels.append((_describe(None, None, None), rows))
+    for matched, chosen in levels:
         if len(chosen) >= MIN_ROWS:
             low, high = min(chosen, key=lambda r: r.fraction), max(chosen, key=lambda r: r.fraction)
-            return FractionRange(
-                low.fraction,
-                high.fraction,
-                chosen,
-                low,
-                high,
-                _describe(hardware_class, batched, quantized),
-                _describe(cls, regime, weights),
-            )
+            return FractionRange(low.fraction, high.fraction, chosen, low, high, wanted, matched)
     raise ValueError(f"rows: {len(rows)} given; allowed: at least {MIN_ROWS} published measurements")
 
 
