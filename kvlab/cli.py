@@ -24,6 +24,8 @@ from kvlab.config import ModelConfig
 from kvlab.dtypes import BYTES_PER_ELEMENT, KV_DTYPES, canonical_dtype
 from kvlab.presets import (
     GPU,
+    draft_of,
+    draft_presets,
     get_gpu,
     get_model,
     gpu_presets,
@@ -636,7 +638,7 @@ def cmd_models(args: argparse.Namespace) -> int:
         f"{'name':<16} {'attention':<9} {'layers':>6} {'d_model':>7} {'heads':>5} {'kv':>4} {'params':>9} "
         f"{'active':>8} {'max ctx':>8} {'KV/token bf16':>14}  runnable"
     )
-    for name, c in model_presets().items():
+    for name, c in {**model_presets(), **draft_presets()}.items():
         kv = "-" if c.mla else c.n_kv_heads
         runnable = "yes" if c.runnable else "no: " + c.not_runnable_reason
         print(
@@ -649,6 +651,8 @@ def cmd_models(args: argparse.Namespace) -> int:
         "embedding counted whole; gpt-oss's published active counts leave it out, DeepSeek's 36.7B includes it "
         "(README_WEIGHTS.md; kvlab/data/reference_presets.md compares the counts)"
     )
+    for name in draft_presets():
+        print(f"{name}: a draft for {draft_of(name)} only (kvlab predict --draft-model {name})")
     return 0
 
 

@@ -146,6 +146,13 @@ def model_presets() -> dict[str, ModelConfig]:
 
 
 @cache
+def draft_presets() -> dict[str, ModelConfig]:
+    """Shapes that exist only to draft for another model (``draft_of``): DeepSeek-V3's multi-token-prediction
+    module. ``get_model`` finds them too; they are kept out of ``model_presets``, which lists models to serve."""
+    return {name: _model_from_reference(name, m) for name, m in _reference().get("drafts", {}).items()}
+
+
+@cache
 def gpu_presets() -> dict[str, GPU]:
     out = {}
     for name, g in _reference()["gpus"].items():
@@ -167,7 +174,7 @@ _GPU_SOURCE = "vendor datasheets (dense figures), as collected in kvlab/data/ref
 
 def get_model(name: str, field: str = "model") -> ModelConfig:
     """A named model shape; ``ValueError`` names ``field`` and lists the presets when it is unknown."""
-    return _lookup(model_presets(), name, field)
+    return _lookup({**model_presets(), **draft_presets()}, name, field)
 
 
 def get_gpu(name: str, field: str = "gpu") -> GPU:
@@ -181,21 +188,27 @@ def _lookup(presets: dict, name: str, field: str):
     return presets[key]
 
 
+def _entry(name: str) -> dict:
+    """A preset's entry in the reference table (a model or a draft); empty for a course preset or an unknown name."""
+    ref = _reference()
+    return ref["models"].get(name) or ref.get("drafts", {}).get(name) or {}
+
+
 def tokenizer_of(name: str) -> str | None:
     """The tokenizer family a real-model preset uses (``tokenizer`` in the reference table); ``None``: not known
     (a course preset, or a name that is no preset)."""
-    return _reference()["models"].get(name, {}).get("tokenizer")
+    return _entry(name).get("tokenizer")
 
 
 def served_context(name: str) -> int | None:
     """The context a model's makers document serving, where it is shorter than its config's
     ``max_position_embeddings`` (DeepSeek-V3: 128K against 163,840); ``None`` where none is recorded."""
-    return _reference()["models"].get(name, {}).get("served_context")
+    return _entry(name).get("served_context")
 
 
 def draft_of(name: str) -> str | None:
     """The preset a draft-only preset belongs to (DeepSeek-V3's multi-token-prediction module: ``deepseek-v3``)."""
-    return _reference()["models"].get(name, {}).get("draft_of")
+    return _entry(name).get("draft_of")
 
 
 def same_vocabulary(target: ModelConfig, draft: ModelConfig) -> str | None:

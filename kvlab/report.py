@@ -26,7 +26,15 @@ from pathlib import Path
 
 from kvlab.cli import Target, draft_step, predict_json, run_predict, speculate
 from kvlab.config import ModelConfig
-from kvlab.presets import draft_of, get_model, model_presets, same_vocabulary, served_context, tokenizer_of
+from kvlab.presets import (
+    draft_of,
+    draft_presets,
+    get_model,
+    model_presets,
+    same_vocabulary,
+    served_context,
+    tokenizer_of,
+)
 from kvlab.published import published_speculative
 from kvlab.roofline import (
     Prediction,
@@ -308,7 +316,7 @@ def _speculative_assumption(cfg: ModelConfig) -> dict:
     )
     usable = [
         d
-        for d in model_presets().values()
+        for d in (*model_presets().values(), *draft_presets().values())
         if d.name != cfg.name and tokenizer_of(d.name) and same_vocabulary(cfg, d) is None
     ]
     family = [d for d in usable if draft_of(d.name) is None and weight_bytes(d) < weight_bytes(cfg)]
