@@ -300,7 +300,8 @@ def _speculative_assumption(cfg: ModelConfig) -> dict:
 
     A draft must share the target's vocabulary (``kvlab.presets.same_vocabulary``), so, in order:
 
-    1. ``"preset"``: the smallest preset of the target's own vocabulary and tokenizer, smaller than the target, at
+    1. ``"preset"``: the smallest preset of the target's own tokenizer (both named in the reference table), smaller
+       than the target, at
        the acceptance of the cited published row (a 70B/8B pair of one family);
     2. ``"head"``: the draft head the target ships (a preset whose ``draft_of`` is the target: DeepSeek-V3's
        multi-token-prediction module), at its own published acceptance;
@@ -314,10 +315,16 @@ def _speculative_assumption(cfg: ModelConfig) -> dict:
         f"{row.draft} on {row.task}, {row.acceptance_rate:.4f} of drafts accepted at k = {row.k}, which "
         f"acceptance_from_rate turns into a per-draft acceptance a = {a:.3f}"
     )
+    # a preset drafts only for a target whose tokenizer is known to be its own: one vocabulary size is not enough
+    # (Llama-2 and Mistral both have 32,000 tokens), so a --config target gets the assumed draft
+    family_name = tokenizer_of(cfg.name)
     usable = [
         d
         for d in (*model_presets().values(), *draft_presets().values())
-        if d.name != cfg.name and tokenizer_of(d.name) and same_vocabulary(cfg, d) is None
+        if d.name != cfg.name
+        and family_name is not None
+        and tokenizer_of(d.name) == family_name
+        and same_vocabulary(cfg, d) is None
     ]
     family = [d for d in usable if draft_of(d.name) is None and weight_bytes(d) < weight_bytes(cfg)]
     heads = [d for d in usable if draft_of(d.name) == cfg.name]
@@ -347,8 +354,12 @@ def _speculative_assumption(cfg: ModelConfig) -> dict:
     return out | {
         "kind": "fraction",
         "draft_fraction": small / big,
-        "why": f"no preset shares {cfg.name}'s vocabulary ({cfg.vocab_size:,} tokens) and is smaller, and it ships "
-        "no draft head; the draft is an assumption",
+        "why": (
+            f"no smaller preset shares {cfg.name}'s tokenizer, and it ships no draft head"
+            if family_name is not None
+            else f"{cfg.name}'s tokenizer is not one the presets name, so no preset is known to share it"
+        )
+        + "; the draft is an assumption",
         "citation": f"{cited}; the draft's share of bytes is that pair's, {SPECULATIVE_PAIR[1]} over "
         f"{SPECULATIVE_PAIR[0]} ({small / big:.3f} of the weights)",
     }
