@@ -491,16 +491,16 @@ def _mitigations(target: Target, p: Prediction, context: int, batch: int) -> lis
     if draft is not None:
         d = draft_step(p, draft)
         draft_bytes, draft_memory = d.bytes_per_step, d.weight_bytes + d.kv_bytes
-        drafter = f"{draft.name} as the draft ({spec['why']}; {_gb(draft_bytes)} per draft step"
+        drafter = f"{draft.name} drafts, reading {_gb(draft_bytes)} a step; its weights and KV are counted in memory"
+        if spec["kind"] == "head":
+            drafter += " (its embedding and head too, though it shares the target's)"
         flags = ["--draft-model", draft.name]
-        if spec["kind"] == "head":  # the head shares the target's embedding and output head: counted again here
-            drafter += ", its embedding and head counted again in memory though they are the target's"
     else:
         draft_bytes = round(fraction * p.bytes_per_step)
         draft_memory = round(fraction * (p.weight_bytes + p.kv_bytes))
         drafter = (
-            f"an assumed draft reading {fraction:.1%} of the target's bytes per step ({spec['why']}; "
-            f"{_gb(draft_bytes)} per draft step"
+            f"a draft reading {fraction:.1%} of the target's bytes a step ({_gb(draft_bytes)}), and holding that share "
+            "of its weights and KV in memory"
         )
         flags = ["--draft-fraction", repr(fraction)]
     k = best_speculation_k(
@@ -515,8 +515,8 @@ def _mitigations(target: Target, p: Prediction, context: int, batch: int) -> lis
         p,
         result,
         extra_memory_bytes=draft_memory if k else 0,  # k = 0: no draft is loaded
-        assumption=f"{drafter}; its weights and KV are counted in memory) at per-draft acceptance a = "
-        f"{spec['acceptance']:.3f}, the cited figure (yours depends on your draft, target and traffic); k chosen "
+        assumption=f"{drafter} ({spec['why']}); per-draft acceptance a = {spec['acceptance']:.3f}, the cited "
+        "figure (yours depends on your draft, target and traffic); k chosen "
         "for the fewest bytes per token; the verify step reads the weights its k + 1 positions per sequence use"
         + (" (a mixture of experts: more experts than a plain step)" if cfg.moe is not None else "")
         + "; assumes the verify step stays bandwidth-bound, which it does at batch 1 and less so as the batch grows",

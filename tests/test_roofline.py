@@ -367,13 +367,11 @@ def test_tpot_range_falls_back_in_its_stated_order_and_says_so():
     p = predict(cfg, 8192, 1008, hardware_class="consumer-gpu")
     assert p.tpot_ms_range_rows["matched"] == "any hardware, batch 1, 16-bit weights"
     assert p.tpot_ms_range_basis.startswith("fewer than 2 published rows match consumer GPUs, batch 1, 16-bit")
-    # no batched datacenter-GPU row: the datacenter GPUs' rows at batch 1 and the batched rows of other hardware
+    # no batched datacenter-GPU row: every datacenter-GPU row, not Apple's batched ones
     b = predict(cfg, 8192, 3350, batch=32, hardware_class="datacenter-gpu")
-    assert b.tpot_ms_range_rows["matched"] == "datacenter GPUs at any batch, or any hardware batched"
-    either = [
-        float(r["fraction"]) for r in _csv_rows() if r["hardware_class"] == "datacenter-gpu" or int(r["batch"]) > 1
-    ]
-    assert b.tpot_ms_range_fractions == pytest.approx((min(either), max(either)), abs=6e-4)
+    assert b.tpot_ms_range_rows["matched"] == "datacenter GPUs"
+    every = [float(r["fraction"]) for r in _csv_rows() if r["hardware_class"] == "datacenter-gpu"]
+    assert b.tpot_ms_range_fractions == pytest.approx((min(every), max(every)), abs=6e-4)
     # Apple at batch 1 has its own rows, whatever the weight format
     a = predict(cfg, 8192, 800, hardware_class="apple")
     assert a.tpot_ms_range_rows["matched"] == "Apple silicon, batch 1"
