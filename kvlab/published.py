@@ -32,7 +32,9 @@ SPECULATIVE_CSV_NAME = "published_speculative.csv"
 HARDWARE_CLASSES = ("datacenter-gpu", "consumer-gpu", "apple", "cpu")
 # Weights under this many bytes per parameter are quantized (8 bits or fewer); 16-bit weights take about 2.
 QUANTIZED_BYTES_PER_PARAM = 1.5
-MIN_ROWS = 2  # a range needs two ends: a level with fewer matching rows falls back to the next
+# A range rests on at least this many publications: one publication's rows share its software and machine, so their
+# spread says little about another system of the same kind. A level with fewer falls back to the next.
+MIN_SOURCES = 2
 
 
 @dataclass(frozen=True)
@@ -68,12 +70,17 @@ class PublishedDecode:
         return self.weight_bytes / self.params < QUANTIZED_BYTES_PER_PARAM
 
     @property
+    def repository(self) -> str:
+        """The publication this row comes from, as its repository (``pytorch/ao``, ``vllm-project/vllm``, ...)."""
+        return self.source.split()[1]
+
+    @property
     def label(self) -> str:
         """Which measurement this is, in a few words: model, format, device, batch, context and repository."""
         return (
             f"{self.model} {self.weight_dtype} on {self.device}, batch {self.batch}, {self.context:,} tokens, "
             f"{self.kv_bytes_per_token:,} B of KV per token "
-            f"({self.source.split()[1]}; fraction {self.fraction:.3f})"
+            f"({self.repository}; fraction {self.fraction:.3f})"
         )
 
 
@@ -120,7 +127,7 @@ class FractionRange:
     """The share of nominal bandwidth published systems like the target reached, and which rows say so.
 
     ``lo``/``hi``: the lowest and highest ``fraction`` of the ``rows`` chosen; ``low_row``/``high_row`` set them.
-    ``matched``: what the rows have in common with the target (the fallback level that had enough rows);
+    ``matched``: what the rows have in common with the target (the first fallback level with enough publications);
     ``wanted``: what was asked for. ``basis`` says all of it in one sentence.
     """
 
@@ -136,7 +143,7 @@ class FractionRange:
     def basis(self) -> str:
         fallback = ""
         if self.matched != self.wanted:
-            fallback = f"fewer than {MIN_ROWS} published rows match {self.wanted}, so "
+            fallback = f"fewer than {MIN_SOURCES} publications have rows of {self.wanted}, so "
         return (
             f"{fallback}{len(self.rows)} published decode measurements of {self.matched} reached "
             f"{self.lo:.2f}-{self.hi:.2f} of nominal bandwidth (the slow end is {self.low_row.label}; the fast end "
@@ -188,7 +195,8 @@ def matching_fraction_range(
     Systems differ by hardware class (a datacenter GPU's kernels and an Apple GPU's differ; ``None``: not known,
     any class), by regime (batch 1 against batched: a batched step adds work the byte model does not charge), and
     by weight format (quantized weights reach less of the bandwidth: dequantization and fixed per-step costs weigh
-    more against fewer bytes). The first of these levels with at least ``MIN_ROWS`` rows sets the range:
+    more against fewer bytes). The first of these levels whose rows come from at least ``MIN_SOURCES``
+    publications sets the range:
 
     1. same class, same regime, same weight format
     2. same class, same regime
@@ -220,10 +228,10 @@ def matching_fraction_range(
         )
     levels.append((_describe(None, None, None), rows))
     for matched, chosen in levels:
-        if len(chosen) >= MIN_ROWS:
+        if len({r.repository for r in chosen}) >= MIN_SOURCES:
             low, high = min(chosen, key=lambda r: r.fraction), max(chosen, key=lambda r: r.fraction)
             return FractionRange(low.fraction, high.fraction, chosen, low, high, wanted, matched)
-    raise ValueError(f"rows: {len(rows)} given; allowed: at least {MIN_ROWS} published measurements")
+    raise ValueError(f"rows: from {len({r.repository for r in rows})} publications; allowed: at least {MIN_SOURCES}")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from importlib import resources
 import pytest
 
 from kvlab import MLAConfig, ModelConfig, get_gpu, get_model
-from kvlab.published import published_speculative
+from kvlab.published import HARDWARE_CLASSES, published_speculative
 from kvlab.roofline import (
     acceptance_from_rate,
     active_params,
@@ -366,15 +366,19 @@ def test_tpot_range_falls_back_in_its_stated_order_and_says_so():
     # no published consumer-GPU row: the batch-1 16-bit rows of any class
     p = predict(cfg, 8192, 1008, hardware_class="consumer-gpu")
     assert p.tpot_ms_range_rows["matched"] == "any hardware, batch 1, 16-bit weights"
-    assert p.tpot_ms_range_basis.startswith("fewer than 2 published rows match consumer GPUs, batch 1, 16-bit")
+    assert p.tpot_ms_range_basis.startswith("fewer than 2 publications have rows of consumer GPUs, batch 1, 16-bit")
     # no batched datacenter-GPU row: every datacenter-GPU row, not Apple's batched ones
     b = predict(cfg, 8192, 3350, batch=32, hardware_class="datacenter-gpu")
     assert b.tpot_ms_range_rows["matched"] == "datacenter GPUs"
     every = [float(r["fraction"]) for r in _csv_rows() if r["hardware_class"] == "datacenter-gpu"]
     assert b.tpot_ms_range_fractions == pytest.approx((min(every), max(every)), abs=6e-4)
-    # Apple at batch 1 has its own rows, whatever the weight format
-    a = predict(cfg, 8192, 800, hardware_class="apple")
-    assert a.tpot_ms_range_rows["matched"] == "Apple silicon, batch 1"
+    # Apple's rows all come from one publication (llama.cpp on an M2 Ultra): the batch-1 rows of every class of the
+    # same weight format, which include them
+    a = predict(cfg, 8192, 800, weight_dtype="int8", weight_group_size=64, hardware_class="apple")
+    assert a.tpot_ms_range_rows["matched"] == "any hardware, batch 1, quantized weights"
+    quantized = [f for c in HARDWARE_CLASSES for f in _fractions(c, batched=False, quantized=True)]
+    assert a.tpot_ms_range_fractions == pytest.approx((min(quantized), max(quantized)), abs=6e-4)
+    assert any(r["hardware_class"] == "apple" and float(r["fraction"]) in quantized for r in _csv_rows())
     with pytest.raises(ValueError, match="^hardware_class: 'tpu'; allowed: datacenter-gpu"):
         predict(cfg, 8192, 800, hardware_class="tpu")
 
