@@ -22,15 +22,29 @@ from dataclasses import asdict, dataclass
 
 from kvlab.config import ModelConfig
 from kvlab.dtypes import BYTES_PER_ELEMENT, KV_DTYPES, canonical_dtype
-from kvlab.presets import GPU, get_gpu, get_model, gpu_presets, model_presets, params_verified
+from kvlab.presets import (
+    GPU,
+    draft_of,
+    draft_presets,
+    get_gpu,
+    get_model,
+    gpu_presets,
+    model_presets,
+    params_verified,
+    same_vocabulary,
+    served_context,
+)
+from kvlab.published import HARDWARE_CLASSES
 from kvlab.roofline import (
     Prediction,
     SpeculativePrediction,
+    acceptance_from_rate,
     active_params,
     kv_bytes_per_token,
     param_count,
     predict,
     predict_speculative,
+    verify_bytes_per_step,
 )
 
 TOKENS_PER_K = 1024
@@ -168,15 +182,17 @@ class Target:
     bandwidth_source: str
     gpu: GPU | None
     memory_gb: float | None
+    hardware_class: str | None = None  # which published measurements the real-system range compares against
 
 
 def resolve_target(args: argparse.Namespace) -> Target:
-    """``--model``/``--config`` and ``--gpu``/``--bandwidth``, checked."""
+    """``--model``/``--config``, ``--gpu``/``--bandwidth`` and ``--hardware-class``, checked."""
     cfg = _load_config(args)
     if args.gpu:
         gpu = _usage(get_gpu, args.gpu, "--gpu")
-        return Target(cfg, gpu.bandwidth_gbps, f"{gpu.name} datasheet", gpu, gpu.memory_gb)
-    return Target(cfg, _positive_float(args.bandwidth, "--bandwidth"), "given", None, None)
+        hardware = args.hardware_class or gpu.hardware_class
+        return Target(cfg, gpu.bandwidth_gbps, f"{gpu.name} datasheet", gpu, gpu.memory_gb, hardware)
+    return Target(cfg, _positive_float(args.bandwidth, "--bandwidth"), "given", None, None, args.hardware_class)
 
 
 def run_predict(cfg: ModelConfig, context: int, bandwidth: float, batch: int, **options) -> Prediction:
@@ -223,9 +239,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
         group_size=group,
         weight_group_size=wgroup,
         input_embedding=args.input_embedding,
+        hardware_class=target.hardware_class,
     )
     memory_needed = p.weight_bytes + p.kv_bytes
-    spec = _speculation(args, p)
+    spec = _speculation(args, cfg, p)
     if args.json:
         print(json.dumps(predict_json(cfg, p, spec, memory_gb), indent=2))
         return 0
@@ -236,7 +253,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
         ("model", f"{cfg.name} ({cfg.attention_kind}, {cfg.n_layers} layers{moe})"),
         ("weights", f"{_gb(p.weight_bytes)}, all parameters, in {dtypes}"),
         ("weights read", f"{_gb(p.weight_bytes_read)} ({_read_note(cfg, p)})"),
-        ("KV per token", f"{p.kv_bytes_per_token:,} B = {p.kv_bytes_per_token / 1024:,.1f} KiB in {p.kv_dtype}"),
+        (
+            "KV per token",
+            f"{p.kv_bytes_per_token:,} B = {p.kv_bytes_per_token / 1024:,.1f} KiB in {p.kv_dtype}"
+            + (f" ({p.kv_scales})" if p.kv_scales else ""),
+        ),
         (f"KV read, {context:,} tok x {batch}", _gb(p.kv_bytes) + _policy_note(p)),
         ("bytes per step", _gb(p.bytes_per_step)),
         ("bandwidth", f"{bandwidth:,.0f} GB/s ({target.bandwidth_source})"),
@@ -244,16 +265,28 @@ def cmd_predict(args: argparse.Namespace) -> int:
         ("TPOT, real systems", f"{lo:,.2f}-{hi:,.2f} ms: {p.tpot_ms_range_basis}"),
     ]
     if spec is not None:
-        drafter = (
-            f"draft {args.draft_model}, {_gb(spec.draft_bytes_per_step)} per step"
-            if args.draft_model
-            else ("a drafter that reads no bytes (prompt lookup)")
+        if args.draft_model:
+            drafter = f"draft {args.draft_model}, {_gb(spec.draft_bytes_per_step)} per step"
+        elif args.draft_fraction:
+            drafter = f"a draft reading {args.draft_fraction} of the plain step, {_gb(spec.draft_bytes_per_step)}"
+        else:
+            drafter = "a drafter that reads no bytes (prompt lookup)"
+        given = (
+            f" (from accepted/drafted {args.acceptance_rate} at k={spec.k})" if args.acceptance_rate is not None else ""
         )
         rows += [
             (
                 "speculation",
-                f"k={spec.k} drafts at acceptance {spec.acceptance:g}: {spec.tokens_per_step:.2f} tokens "
+                f"k={spec.k} drafts at per-position acceptance a = {spec.acceptance:.3g}{given}: "
+                f"{spec.tokens_per_step:.2f} tokens "
                 f"per verify step; {drafter}",
+            ),
+            (
+                "verify step",
+                f"{_gb(spec.verify_bytes_per_step)}: the weights {spec.k + 1} positions in each of {p.batch} "
+                "sequences use"
+                + (" (more experts than a plain step)" if cfg.moe is not None and spec.k else "")
+                + f", and the KV at {p.context + spec.k:,} tokens",
             ),
             (
                 "TPOT, speculative",
@@ -272,7 +305,13 @@ def cmd_predict(args: argparse.Namespace) -> int:
     if cfg.moe is not None:
         print("note: experts read assume uniform routing (an upper end: real routers favour some experts)")
     if p.kv_dtype in ("fp8", "int8", "int4") and p.group_size is None:
-        print("note: payload only; pass --group-size G to count the scales and zero points the codec stores")
+        print(
+            "note: KV payload only, one scale per tensor; pass --group-size G for a scale per G elements "
+            "(kvlab's codecs: --group-size 32)"
+        )
+    served = served_context(cfg.name) if args.model else None
+    if served is not None and context > served:
+        print(f"note: {cfg.name}'s makers document serving {served:,} tokens; its config allows {cfg.max_seq_len:,}")
     if args.model and not params_verified(cfg.name):
         print(f"note: {cfg.name}'s parameter count is not verified; weights are counted from its shape")
     if cfg.layer_windows and any(w is not None for w in cfg.layer_windows):
@@ -280,30 +319,84 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
-def _speculation(args: argparse.Namespace, p: Prediction) -> SpeculativePrediction | None:
-    """``--speculate K --acceptance A [--draft-model NAME]``: bytes per token of speculative decoding, or None."""
+def _speculation(args: argparse.Namespace, cfg: ModelConfig, p: Prediction) -> SpeculativePrediction | None:
+    """``--speculate K`` with ``--acceptance A`` or ``--acceptance-rate R``, and ``--draft-model NAME`` or
+    ``--draft-fraction F``: bytes per token of speculative decoding, or None."""
+    given = [
+        flag
+        for flag, value in (
+            ("--acceptance", args.acceptance),
+            ("--acceptance-rate", args.acceptance_rate),
+            ("--draft-model", args.draft_model),
+            ("--draft-fraction", args.draft_fraction),
+        )
+        if value is not None
+    ]
     if args.speculate is None:
-        if args.acceptance is not None or args.draft_model:
-            raise UsageError("--acceptance/--draft-model: they need --speculate K (drafts per verify step)")
+        if given:
+            raise UsageError(f"{'/'.join(given)}: they need --speculate K (drafts per verify step)")
         return None
     k = _count(args.speculate, "--speculate")
-    if args.acceptance is None:
-        raise UsageError("--acceptance: missing; allowed: the share of drafts accepted, in [0, 1] (e.g. 0.7)")
-    acceptance = _probability(args.acceptance, "--acceptance")
+    if (args.acceptance is None) == (args.acceptance_rate is None):
+        raise UsageError(
+            "--acceptance, --acceptance-rate: give exactly one; allowed: --acceptance A (the probability a in [0, 1] "
+            "that a draft is kept given the ones before it were) or --acceptance-rate R (accepted / drafted tokens "
+            "at this k, in [0, 1], as vLLM's metrics report it)"
+        )
+    if args.acceptance is not None:
+        acceptance = _probability(args.acceptance, "--acceptance")
+    else:
+        rate = _probability(args.acceptance_rate, "--acceptance-rate")
+        if k < 1:
+            raise UsageError("--acceptance-rate: needs --speculate K >= 1 (a rate of drafts needs drafts)")
+        acceptance = acceptance_from_rate(rate, k)
+    if args.draft_model and args.draft_fraction:
+        raise UsageError("--draft-model, --draft-fraction: give one (what the draft reads), not both")
     draft_cfg = _usage(get_model, args.draft_model, "--draft-model") if args.draft_model else None
-    return speculate(p, k, acceptance, draft_cfg)
+    fraction = _probability(args.draft_fraction, "--draft-fraction") if args.draft_fraction else None
+    try:
+        return speculate(cfg, p, k, acceptance, draft_cfg, fraction)
+    except ValueError as e:
+        raise UsageError(f"--draft-model: {e}") from None
 
 
 def draft_step(p: Prediction, draft_cfg: ModelConfig) -> Prediction:
-    """The draft's own step beside the target's ``p``: the same batch and bandwidth, at the same context clipped to
-    the draft's max context."""
-    return predict(draft_cfg, min(p.context, draft_cfg.max_seq_len), p.bandwidth_gbps, p.batch)
+    """The draft's own step beside the target's ``p``: the same batch (one token per sequence: a draft step at
+    batch B is charged what any step at batch B reads, the experts of B tokens for a mixture of experts), bandwidth
+    and input-embedding convention, at the same context clipped to the draft's max context."""
+    return predict(
+        draft_cfg, min(p.context, draft_cfg.max_seq_len), p.bandwidth_gbps, p.batch, input_embedding=p.input_embedding
+    )
 
 
-def speculate(p: Prediction, k: int, acceptance: float, draft_cfg: ModelConfig | None) -> SpeculativePrediction:
-    """Speculative decoding over the plain step ``p``, drafted by ``draft_cfg`` (None: a drafter reading no bytes)."""
-    draft_bytes = 0 if draft_cfg is None else draft_step(p, draft_cfg).bytes_per_step
-    return predict_speculative(p.bytes_per_step, k, acceptance, p.bandwidth_gbps, draft_bytes)
+def draft_bytes(p: Prediction, draft_cfg: ModelConfig | None, draft_fraction: float | None) -> int:
+    """Bytes one draft step reads: ``draft_cfg``'s step, or ``draft_fraction`` of the plain step ``p``, or 0."""
+    if draft_cfg is not None:
+        return draft_step(p, draft_cfg).bytes_per_step
+    return 0 if draft_fraction is None else round(draft_fraction * p.bytes_per_step)
+
+
+def speculate(
+    cfg: ModelConfig,
+    p: Prediction,
+    k: int,
+    acceptance: float,
+    draft_cfg: ModelConfig | None = None,
+    draft_fraction: float | None = None,
+) -> SpeculativePrediction:
+    """Speculative decoding over ``cfg``'s plain step ``p``: the verify step reads what ``verify_bytes_per_step``
+    counts (a mixture of experts routes ``p.batch x (k + 1)`` tokens), and each of the ``k`` draft steps reads
+    ``draft_bytes``. A ``draft_cfg`` whose vocabulary differs from ``cfg``'s is refused (``ValueError``)."""
+    if draft_cfg is not None and (why := same_vocabulary(cfg, draft_cfg)):
+        raise ValueError(why)
+    return predict_speculative(
+        p.bytes_per_step,
+        k,
+        acceptance,
+        p.bandwidth_gbps,
+        draft_bytes(p, draft_cfg, draft_fraction),
+        verify_bytes_per_step(cfg, p, k),
+    )
 
 
 def measure_sweep(
@@ -545,7 +638,7 @@ def cmd_models(args: argparse.Namespace) -> int:
         f"{'name':<16} {'attention':<9} {'layers':>6} {'d_model':>7} {'heads':>5} {'kv':>4} {'params':>9} "
         f"{'active':>8} {'max ctx':>8} {'KV/token bf16':>14}  runnable"
     )
-    for name, c in model_presets().items():
+    for name, c in {**model_presets(), **draft_presets()}.items():
         kv = "-" if c.mla else c.n_kv_heads
         runnable = "yes" if c.runnable else "no: " + c.not_runnable_reason
         print(
@@ -555,8 +648,11 @@ def cmd_models(args: argparse.Namespace) -> int:
         )
     print(
         "active: parameters a batch-1 step reads (MoE: dense parts, shared and top-k routed experts), the input "
-        "embedding counted whole; DeepSeek's and gpt-oss's published active counts leave it out"
+        "embedding counted whole; gpt-oss's published active counts leave it out, DeepSeek's 36.7B includes it "
+        "(README_WEIGHTS.md; kvlab/data/reference_presets.md compares the counts)"
     )
+    for name in draft_presets():
+        print(f"{name}: a draft for {draft_of(name)} only (kvlab predict --draft-model {name})")
     return 0
 
 
@@ -584,6 +680,12 @@ def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
     bw = parser.add_mutually_exclusive_group(required=True)
     bw.add_argument("--gpu", help="a GPU preset (kvlab gpus): its bandwidth and memory")
     bw.add_argument("--bandwidth", help="memory bandwidth in GB/s")
+    parser.add_argument(
+        "--hardware-class",
+        choices=HARDWARE_CLASSES,
+        help="which published measurements the real-system TPOT range uses (default: the GPU preset's class; with "
+        "--bandwidth, any class)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -622,9 +724,25 @@ def build_parser() -> argparse.ArgumentParser:
         "reached (kvlab/data/published_decode.csv). --context may not exceed the model's max context."
     )
     p.add_argument("--speculate", help="K drafted tokens per verify step: predict speculative decoding's TPOT")
-    p.add_argument("--acceptance", help="with --speculate: the share of drafts the target accepts, in [0, 1]")
     p.add_argument(
-        "--draft-model", help="with --speculate: the draft model's preset (default: a drafter reading no bytes)"
+        "--acceptance",
+        help="with --speculate: the per-position acceptance probability a in [0, 1], the chance that a draft is "
+        "kept given the drafts before it were (not accepted/drafted: use --acceptance-rate for that)",
+    )
+    p.add_argument(
+        "--acceptance-rate",
+        help="with --speculate, instead of --acceptance: accepted / drafted tokens at this K, in [0, 1], as vLLM's "
+        "spec-decode metrics report it; converted to a with the rule rate = (a + ... + a^K) / K",
+    )
+    p.add_argument(
+        "--draft-model",
+        help="with --speculate: the draft model's preset, sharing the target's vocabulary (default: a drafter "
+        "reading no bytes, such as prompt lookup)",
+    )
+    p.add_argument(
+        "--draft-fraction",
+        help="with --speculate, instead of --draft-model: an assumed draft whose step reads this fraction of the "
+        "target's plain step bytes, in [0, 1]",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_predict)

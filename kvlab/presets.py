@@ -53,6 +53,7 @@ class GPU:
     fp8_tflops: float | None
     source: str
     tflops_note: str | None = None  # e.g. which accumulate precision the TFLOP/s figures assume
+    hardware_class: str | None = None  # kvlab.published.HARDWARE_CLASSES: which published measurements compare
 
 
 @cache
@@ -145,6 +146,13 @@ def model_presets() -> dict[str, ModelConfig]:
 
 
 @cache
+def draft_presets() -> dict[str, ModelConfig]:
+    """Shapes that exist only to draft for another model (``draft_of``): DeepSeek-V3's multi-token-prediction
+    module. ``get_model`` finds them too; they are kept out of ``model_presets``, which lists models to serve."""
+    return {name: _model_from_reference(name, m) for name, m in _reference().get("drafts", {}).items()}
+
+
+@cache
 def gpu_presets() -> dict[str, GPU]:
     out = {}
     for name, g in _reference()["gpus"].items():
@@ -156,6 +164,7 @@ def gpu_presets() -> dict[str, GPU]:
             fp8_tflops=g["fp8_tflops"],
             source=_GPU_SOURCE,
             tflops_note=g.get("tflops_note"),
+            hardware_class=g["hardware_class"],
         )
     return out
 
@@ -165,7 +174,7 @@ _GPU_SOURCE = "vendor datasheets (dense figures), as collected in kvlab/data/ref
 
 def get_model(name: str, field: str = "model") -> ModelConfig:
     """A named model shape; ``ValueError`` names ``field`` and lists the presets when it is unknown."""
-    return _lookup(model_presets(), name, field)
+    return _lookup({**model_presets(), **draft_presets()}, name, field)
 
 
 def get_gpu(name: str, field: str = "gpu") -> GPU:
@@ -177,6 +186,46 @@ def _lookup(presets: dict, name: str, field: str):
     if key not in presets:
         raise ValueError(f"{field}: unknown preset {name!r}; allowed: {', '.join(presets)}")
     return presets[key]
+
+
+def _entry(name: str) -> dict:
+    """A preset's entry in the reference table (a model or a draft); empty for a course preset or an unknown name."""
+    ref = _reference()
+    return ref["models"].get(name) or ref.get("drafts", {}).get(name) or {}
+
+
+def tokenizer_of(name: str) -> str | None:
+    """The tokenizer family a real-model preset uses (``tokenizer`` in the reference table); ``None``: not known
+    (a course preset, or a name that is no preset)."""
+    return _entry(name).get("tokenizer")
+
+
+def served_context(name: str) -> int | None:
+    """The context a model's makers document serving, where it is shorter than its config's
+    ``max_position_embeddings`` (DeepSeek-V3: 128K against 163,840); ``None`` where none is recorded."""
+    return _entry(name).get("served_context")
+
+
+def draft_of(name: str) -> str | None:
+    """The preset a draft-only preset belongs to (DeepSeek-V3's multi-token-prediction module: ``deepseek-v3``)."""
+    return _entry(name).get("draft_of")
+
+
+def same_vocabulary(target: ModelConfig, draft: ModelConfig) -> str | None:
+    """Why ``draft`` cannot draft for ``target`` (``None``: it can): a draft proposes token ids that the target
+    verifies, so both must use one vocabulary, the same size and, where the presets say, the same tokenizer."""
+    if draft.vocab_size != target.vocab_size:
+        return (
+            f"{draft.name}'s vocabulary has {draft.vocab_size:,} tokens and {target.name}'s {target.vocab_size:,}; "
+            "allowed: a draft with the target's vocabulary"
+        )
+    theirs, ours = tokenizer_of(draft.name), tokenizer_of(target.name)
+    if theirs and ours and theirs != ours:
+        return (
+            f"{draft.name} uses the {theirs} tokenizer and {target.name} the {ours} one ({target.vocab_size:,} tokens "
+            "each, different tokens); allowed: a draft with the target's tokenizer"
+        )
+    return None
 
 
 def params_verified(name: str) -> bool:

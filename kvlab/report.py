@@ -25,7 +25,16 @@ from itertools import groupby
 from pathlib import Path
 
 from kvlab.cli import Target, draft_step, predict_json, run_predict, speculate
-from kvlab.presets import get_model
+from kvlab.config import ModelConfig
+from kvlab.presets import (
+    draft_of,
+    draft_presets,
+    get_model,
+    model_presets,
+    same_vocabulary,
+    served_context,
+    tokenizer_of,
+)
 from kvlab.published import published_speculative
 from kvlab.roofline import (
     Prediction,
@@ -34,6 +43,8 @@ from kvlab.roofline import (
     best_speculation_k,
     crossover_context,
     kv_bytes_per_step,
+    verify_bytes_per_step,
+    weight_bytes,
 )
 
 DEFAULT_CONTEXT = 32 * 1024
@@ -44,7 +55,11 @@ STREAMING_SINKS, STREAMING_WINDOW = 4, 1020  # StreamingLLM's setting (Xiao et a
 SHARED_PREFIX_TOKENS = 2048  # an assumed system prompt + tool definitions shared by every sequence in the batch
 SESSION_CAP_TOKENS = 8192  # an assumed cap on a chat's context, oldest turns dropped first
 SPECULATIVE_ROW = 0  # published_speculative()'s vLLM MATH-500 row: Llama-3-architecture 70B target, 8B draft
-SPECULATIVE_DRAFT = "llama-3.1-8b"  # the preset with that row's draft's shape (DeepSeek-R1-Distill-Llama-8B)
+# the presets with the shapes of that row's target (DeepSeek-R1-Distill-Llama-70B) and draft (-8B)
+SPECULATIVE_PAIR = ("llama-3.1-70b", "llama-3.1-8b")
+# DeepSeek-V3's multi-token-prediction module drafts one token; its technical report (arXiv 2412.19437, section
+# 5.4.3) measured that token accepted 85% to 90% of the time. The low end is assumed.
+MTP_ACCEPTANCE, MTP_K = 0.85, 1
 QUALITY_JSON = "quality_table.json"
 CHECKPOINT = "kvlab-tiny-stdlib"  # the checkpoint the quality table measured
 LESSONS = {
@@ -132,6 +147,13 @@ def _citation(policy: str) -> str:
 
 
 # -- the report's figures ------------------------------------------------------------------------------------------
+def _run(target: Target, context: int, batch: int, **options) -> Prediction:
+    """``kvlab predict`` for the team's model and hardware: the figures ``predict --json`` gives for the same flags."""
+    return run_predict(
+        target.cfg, context, target.bandwidth_gbps, batch, hardware_class=target.hardware_class, **options
+    )
+
+
 def _contexts(max_seq_len: int, context: int, n: int = 48) -> list[int]:
     """``n`` contexts spaced evenly from 256 tokens (or fewer) to the model's max, and the team's own."""
     lo = min(256, max_seq_len)
@@ -161,6 +183,12 @@ def _breakdown(target: Target, p: Prediction) -> dict:
             + f"; at batch {p.batch} a step reads {p.experts_read:,.1f} distinct experts per MoE layer "
             "(uniform routing: an upper end)"
         )
+    served = served_context(cfg.name)
+    if served is not None:
+        notes.append(
+            f"{cfg.name}'s makers document a served context of {served:,} tokens; its config allows "
+            f"{cfg.max_seq_len:,} (kvlab/data/reference_presets.md)"
+        )
     windows = [w for w in cfg.layer_windows or () if w is not None]
     if windows:
         notes.append(
@@ -188,7 +216,7 @@ def _curves(target: Target, context: int, batch: int) -> list[dict]:
     contexts = _contexts(cfg.max_seq_len, context)
     out = []
     for b in sorted({*PLOT_BATCHES, batch}):
-        preds = [run_predict(cfg, c, target.bandwidth_gbps, b) for c in contexts]
+        preds = [_run(target, c, b) for c in contexts]
         out.append(
             {
                 "batch": b,
@@ -254,7 +282,7 @@ def _crossover(target: Target, p: Prediction, batch: int) -> list[dict]:
     local = any(w is not None for w in cfg.layer_windows or ())
     out = []
     for b in sorted({1, batch}):
-        weights = run_predict(cfg, 1, target.bandwidth_gbps, b).weight_bytes_read
+        weights = _run(target, 1, b).weight_bytes_read
         if local:
             below = _largest(lambda c, b=b, w=weights: kv_bytes_per_step(cfg, c, b, p.kv_dtype) < w, cfg.max_seq_len)
             tokens: float | None = below + 1 if below < cfg.max_seq_len else None
@@ -267,22 +295,79 @@ def _crossover(target: Target, p: Prediction, batch: int) -> list[dict]:
     return out
 
 
-def _speculative_assumption() -> dict:
+def _speculative_assumption(cfg: ModelConfig) -> dict:
+    """The draft the report assumes for ``cfg``, and the acceptance it drafts at, with their sources.
+
+    A draft must share the target's vocabulary (``kvlab.presets.same_vocabulary``), so, in order:
+
+    1. ``"preset"``: the smallest preset of the target's own tokenizer (both named in the reference table), smaller
+       than the target, at
+       the acceptance of the cited published row (a 70B/8B pair of one family);
+    2. ``"head"``: the draft head the target ships (a preset whose ``draft_of`` is the target: DeepSeek-V3's
+       multi-token-prediction module), at its own published acceptance;
+    3. ``"fraction"``: an assumed draft of the target's vocabulary reading the share of the target's bytes that the
+       cited row's draft reads of its target's, at that row's acceptance.
+    """
     row = published_speculative()[SPECULATIVE_ROW]
     a = acceptance_from_rate(row.acceptance_rate, row.k)
-    return {
-        "row": asdict(row),
-        "acceptance": a,
-        "draft": SPECULATIVE_DRAFT,
-        "citation": f"kvlab/data/published_speculative.csv row {SPECULATIVE_ROW + 1}: {row.source}; {row.target} "
-        f"drafted by {row.draft} on {row.task}, {row.acceptance_rate:.4f} of drafts accepted at k = {row.k}, which "
-        f"acceptance_from_rate turns into a per-draft acceptance a = {a:.3f}",
+    cited = (
+        f"kvlab/data/published_speculative.csv row {SPECULATIVE_ROW + 1}: {row.source}; {row.target} drafted by "
+        f"{row.draft} on {row.task}, {row.acceptance_rate:.4f} of drafts accepted at k = {row.k}, which "
+        f"acceptance_from_rate turns into a per-draft acceptance a = {a:.3f}"
+    )
+    # a preset drafts only for a target whose tokenizer is known to be its own: one vocabulary size is not enough
+    # (Llama-2 and Mistral both have 32,000 tokens), so a --config target gets the assumed draft
+    family_name = tokenizer_of(cfg.name)
+    usable = [
+        d
+        for d in (*model_presets().values(), *draft_presets().values())
+        if d.name != cfg.name
+        and family_name is not None
+        and tokenizer_of(d.name) == family_name
+        and same_vocabulary(cfg, d) is None
+    ]
+    family = [d for d in usable if draft_of(d.name) is None and weight_bytes(d) < weight_bytes(cfg)]
+    heads = [d for d in usable if draft_of(d.name) == cfg.name]
+    out = {"row": asdict(row), "acceptance": a, "k_max": 16, "draft": None, "draft_fraction": None}
+    if family:
+        draft = min(family, key=weight_bytes)
+        return out | {
+            "kind": "preset",
+            "draft": draft.name,
+            "why": f"{draft.name} is the smallest preset sharing {cfg.name}'s vocabulary ({cfg.vocab_size:,} tokens)",
+            "citation": cited,
+        }
+    if heads:
+        return out | {
+            "kind": "head",
+            "draft": heads[0].name,
+            "row": None,
+            "acceptance": MTP_ACCEPTANCE,
+            "k_max": MTP_K,
+            "why": f"{cfg.name} ships its own draft head ({heads[0].name}, kvlab/data/reference_presets.md) and no "
+            "smaller preset shares its vocabulary",
+            "citation": "deepseek-ai/DeepSeek-V3 README_WEIGHTS.md (one MTP module: 11.5B parameters besides the "
+            "shared embedding and head, 2.4B active); DeepSeek-V3 technical report, arXiv 2412.19437, section "
+            f"5.4.3 (the second token accepted 85% to 90% of the time: a = {MTP_ACCEPTANCE} assumed, k = {MTP_K})",
+        }
+    big, small = (weight_bytes(get_model(name)) for name in SPECULATIVE_PAIR)
+    return out | {
+        "kind": "fraction",
+        "draft_fraction": small / big,
+        "why": (
+            f"no smaller preset shares {cfg.name}'s tokenizer, and it ships no draft head"
+            if family_name is not None
+            else f"{cfg.name}'s tokenizer is not one the presets name, so no preset is known to share it"
+        )
+        + "; the draft is an assumption",
+        "citation": f"{cited}; the draft's share of bytes is that pair's, {SPECULATIVE_PAIR[1]} over "
+        f"{SPECULATIVE_PAIR[0]} ({small / big:.3f} of the weights)",
     }
 
 
 def _mitigations(target: Target, p: Prediction, context: int, batch: int) -> list[dict]:
     """Each mitigation's prediction at the team's context and batch, its cost in quality, and its lesson."""
-    cfg, bw = target.cfg, target.bandwidth_gbps
+    cfg = target.cfg
     rows: list[dict] = []
 
     def add(
@@ -314,21 +399,37 @@ def _mitigations(target: Target, p: Prediction, context: int, batch: int) -> lis
         )
 
     for codec in KV_CODECS:
-        q = run_predict(cfg, context, bw, batch, kv_dtype=codec, group_size=KV_GROUP_SIZE)
+        # fp8 as serving teams run it (vLLM's default: per-tensor scales, 1 B/element); int8/int4 as kvlab's codecs
+        group = None if codec == "fp8" else KV_GROUP_SIZE
+        q = _run(target, context, batch, kv_dtype=codec, group_size=group)
+        measured = f"measured on the course's checkpoint: {_measured(codec)} (the newest 128 tokens kept exact)"
+        if group is None:
+            quality = (
+                f"{measured}, with kvlab's fp8 codec, which keeps a scale per group of {KV_GROUP_SIZE}. That does "
+                "not carry over to per-tensor scales left at 1.0, vLLM's default without calibration, which its "
+                "docs warn can cost quality; calibrate the scales, or measure your own"
+            )
+        else:
+            quality = measured
         add(
             f"kv-{codec}",
             f"{codec} KV cache",
             "09",
-            ["--kv-dtype", codec, "--group-size", str(KV_GROUP_SIZE)],
+            ["--kv-dtype", codec] + ([] if group is None else ["--group-size", str(group)]),
             q,
-            assumption=f"groups of {KV_GROUP_SIZE} elements share a scale (and zero point), counted; the attention "
-            "kernel must read the compressed bytes itself, or the step still reads full-width copies",
-            quality=f"measured on the course's checkpoint: {_measured(codec)} (the newest 128 tokens kept exact)",
-            citation=_citation(codec),
+            assumption=f"{q.kv_scales}; the attention kernel must read the compressed bytes itself, or the step "
+            "gains nothing",
+            quality=quality,
+            citation=_citation(codec)
+            + (
+                "; vLLM's fp8 cache: docs/features/quantization/quantized_kvcache.md in vllm-project/vllm"
+                if group is None
+                else ""
+            ),
         )
 
     window = STREAMING_WINDOW
-    q = run_predict(cfg, context, bw, batch, window=window, sinks=STREAMING_SINKS)
+    q = _run(target, context, batch, window=window, sinks=STREAMING_SINKS)
     sinks = checkpoint_record()["eval"]["sinks"]
     sink_ppl = sinks["perplexity"]
     policy, n = "window-256+4sinks/reassigned", trained_length()
@@ -352,7 +453,7 @@ def _mitigations(target: Target, p: Prediction, context: int, batch: int) -> lis
     )
 
     prefix = min(SHARED_PREFIX_TOKENS, context)
-    q = run_predict(cfg, context, bw, batch, shared_prefix=prefix)
+    q = _run(target, context, batch, shared_prefix=prefix)
     add(
         "shared-prefix",
         f"shared {prefix:,}-token prefix",
@@ -368,7 +469,7 @@ def _mitigations(target: Target, p: Prediction, context: int, batch: int) -> lis
     )
 
     cap = min(SESSION_CAP_TOKENS, context)
-    q = run_predict(cfg, cap, bw, batch)
+    q = _run(target, cap, batch)
     add(
         "session-cap",
         f"session cap at {cap:,} tokens",
@@ -384,23 +485,41 @@ def _mitigations(target: Target, p: Prediction, context: int, batch: int) -> lis
         citation=f"{_citation('window-256')}; same table, row h2o-128",
     )
 
-    spec = _speculative_assumption()
-    draft = get_model(spec["draft"])
-    d = draft_step(p, draft)
-    k = best_speculation_k(p.bytes_per_step, spec["acceptance"], d.bytes_per_step)
-    result = speculate(p, k, spec["acceptance"], draft)
+    spec = _speculative_assumption(cfg)
+    draft = get_model(spec["draft"]) if spec["draft"] else None
+    fraction = spec["draft_fraction"]
+    if draft is not None:
+        d = draft_step(p, draft)
+        draft_bytes, draft_memory = d.bytes_per_step, d.weight_bytes + d.kv_bytes
+        drafter = f"{draft.name} drafts, reading {_gb(draft_bytes)} a step; its weights and KV are counted in memory"
+        if spec["kind"] == "head":
+            drafter += " (its embedding and head too, though it shares the target's)"
+        flags = ["--draft-model", draft.name]
+    else:
+        draft_bytes = round(fraction * p.bytes_per_step)
+        draft_memory = round(fraction * (p.weight_bytes + p.kv_bytes))
+        drafter = (
+            f"a draft reading {fraction:.1%} of the target's bytes a step ({_gb(draft_bytes)}), and holding that share "
+            "of its weights and KV in memory"
+        )
+        flags = ["--draft-fraction", repr(fraction)]
+    k = best_speculation_k(
+        p.bytes_per_step, spec["acceptance"], draft_bytes, spec["k_max"], lambda k: verify_bytes_per_step(cfg, p, k)
+    )
+    result = speculate(cfg, p, k, spec["acceptance"], draft, fraction)
     add(
         "speculative",
         f"speculative decoding, k = {k}" if k else "speculative decoding (k = 0: this draft does not pay)",
         "10",
-        ["--speculate", str(k), "--acceptance", repr(spec["acceptance"]), "--draft-model", spec["draft"]],
+        ["--speculate", str(k), "--acceptance", repr(spec["acceptance"]), *flags],
         p,
         result,
-        extra_memory_bytes=d.weight_bytes + d.kv_bytes if k else 0,  # k = 0: no draft is loaded
-        assumption=f"a {spec['draft']}-shaped draft ({_gb(d.bytes_per_step)} per draft step; its weights and KV "
-        f"are counted in memory) at per-draft acceptance a = {spec['acceptance']:.3f}, the cited row's rate (yours "
-        "depends on your draft, target and traffic); k chosen for the fewest bytes per token; assumes the verify "
-        "step stays bandwidth-bound, which it does at batch 1 and less so as the batch grows",
+        extra_memory_bytes=draft_memory if k else 0,  # k = 0: no draft is loaded
+        assumption=f"{drafter} ({spec['why']}); per-draft acceptance a = {spec['acceptance']:.3f}, the cited "
+        "figure (yours depends on your draft, target and traffic); k chosen "
+        "for the fewest bytes per token; the verify step reads the weights its k + 1 positions per sequence use"
+        + (" (a mixture of experts: more experts than a plain step)" if cfg.moe is not None else "")
+        + "; assumes the verify step stays bandwidth-bound, which it does at batch 1 and less so as the batch grows",
         quality="none: speculative sampling keeps the target's output distribution exactly (Leviathan et al., "
         "arXiv 2211.17192; Chen et al., arXiv 2302.01318); the acceptance, and so the speedup, depends on the task",
         citation=spec["citation"],
@@ -412,7 +531,7 @@ def build_report(target: Target, context: int, batch: int, memory_gb: float | No
     """Every figure of the report, as JSON-ready data. ``memory_gb``: the memory to fit into (None: the GPU
     preset's, if any); ``sweep``: a ``kvlab.bench.Sweep`` measured on this machine, or None."""
     cfg = target.cfg
-    p = run_predict(cfg, context, target.bandwidth_gbps, batch)
+    p = _run(target, context, batch)
     return {
         "inputs": {
             "model": cfg.name,
@@ -429,7 +548,7 @@ def build_report(target: Target, context: int, batch: int, memory_gb: float | No
         "curves": _curves(target, context, batch),
         "memory": _memory(target, p, memory_gb, context, batch),
         "crossover": _crossover(target, p, batch),
-        "speculative_assumption": _speculative_assumption(),
+        "speculative_assumption": _speculative_assumption(cfg),
         "mitigations": _mitigations(target, p, context, batch),
         "measured": None if sweep is None else sweep.to_dict(),
     }

@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from kvlab.config import WEIGHT_COMPONENTS, ModelConfig
 from kvlab.dtypes import BYTES_PER_ELEMENT, GROUP_STAT_BYTES, KV_DTYPES, KV_GROUP_STATS, canonical_dtype
-from kvlab.published import bandwidth_fraction_range, published_decode
+from kvlab.published import QUANTIZED_BYTES_PER_PARAM, FractionRange, matching_fraction_range
 from kvlab.validation import require_fraction, require_int
 
 INPUT_EMBEDDING_CONVENTIONS = ("table", "rows")
@@ -146,8 +147,8 @@ def active_params(cfg: ModelConfig, batch: int = 1, input_embedding: str = "tabl
     parameters") rising toward ``param_count`` as the batch grows.
 
     ``input_embedding``: ``"table"`` (default) counts an untied input embedding whole, as Mixtral's published 12.9B
-    active does; ``"rows"`` counts the one row per sequence a step looks up, as DeepSeek-V3's (36.6B, "37B") and
-    gpt-oss's (3.6B, 5.1B) published active counts do.
+    active and DeepSeek-V3's 36.7B (its README_WEIGHTS.md: embedding and head included) do; ``"rows"`` counts the
+    one row per sequence a step looks up, as gpt-oss's (3.6B, 5.1B) published active counts do.
 
     For FLOPs, use ``batch=1``: each token multiplies by its own ``top_k`` experts only, so a step's matmul FLOPs are
     about ``2 x active_params(cfg, 1) x batch`` (minus the input lookup, which does no multiply), while the bytes it
@@ -244,6 +245,25 @@ def kv_element_bytes(kv_dtype: str, group_size: int | None = None) -> float:
     return (payload + KV_GROUP_STATS.get(key, 0) * GROUP_STAT_BYTES) / group_size
 
 
+def kv_scales(kv_dtype: str, group_size: int | None = None) -> str | None:
+    """What the byte count assumes about a quantized cache's scales, in words (``None`` for a float16/32 cache).
+
+    Without ``group_size`` only the payload is counted: one scale per tensor, which is how vLLM's default fp8 cache
+    stores it (1 B/element; its scales are 1.0 unless calibrated). With ``group_size``, kvlab's codecs: one fp16
+    scale per group (fp8), or a scale and a zero point (int8, int4).
+    """
+    key = canonical_dtype(kv_dtype, "kv_dtype", KV_DTYPES)
+    stats = KV_GROUP_STATS.get(key)
+    if stats is None:
+        return None
+    if group_size is None:
+        return f"one scale per tensor, {BYTES_PER_ELEMENT[key]:g} B/element" + (
+            ", as vLLM's default fp8 cache stores it" if key == "fp8" else ""
+        )
+    kept = "a 16-bit scale" if stats == 1 else "a 16-bit scale and zero point"
+    return f"{kept} per group of {group_size}, {kv_element_bytes(key, group_size):g} B/element, as kvlab's codec"
+
+
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str | None = None, group_size: int | None = None) -> int:
     """Bytes one token of one sequence caches across all layers: 2 x layers x KV heads x head dim x bytes."""
     size = kv_element_bytes(kv_dtype or cfg.dtype, group_size)
@@ -335,18 +355,18 @@ def predict_tpot_ms(n_bytes: float, bandwidth_gbps: float) -> float:
     return n_bytes / (bandwidth_gbps * 1e9) * 1e3
 
 
-def published_tpot_range(tpot_ms: float) -> tuple[tuple[float, float], str]:
-    """The TPOT real systems reach for a bandwidth-bound ``tpot_ms``, and where that range comes from.
+def published_tpot_range(
+    tpot_ms: float, hardware_class: str | None = None, batch: int = 1, quantized: bool = False
+) -> tuple[tuple[float, float], FractionRange]:
+    """The TPOT real systems like the target reach for a bandwidth-bound ``tpot_ms``, and the rows that say so.
 
-    Published decode measurements (``kvlab.published``) achieved between ``lo`` and ``hi`` of nominal bandwidth,
-    so a real step takes ``tpot_ms / hi`` to ``tpot_ms / lo``.
+    Published decode measurements of the same hardware class, regime and weight format (``matching_fraction_range``,
+    which falls back in a stated order) achieved between ``lo`` and ``hi`` of nominal bandwidth, so a real step
+    takes ``tpot_ms / hi`` to ``tpot_ms / lo``. ``tpot_ms`` must count bytes the way the published file does (an
+    untied input table as one row per sequence), or the fractions do not apply to it.
     """
-    lo, hi = bandwidth_fraction_range()
-    basis = (
-        f"{len(published_decode())} published decode measurements reached {lo:.2f}-{hi:.2f} of nominal bandwidth "
-        "(kvlab/data/published_decode.csv)"
-    )
-    return (tpot_ms / hi, tpot_ms / lo), basis
+    fractions = matching_fraction_range(hardware_class, batch, quantized)
+    return (tpot_ms / fractions.hi, tpot_ms / fractions.lo), fractions
 
 
 @dataclass(frozen=True)
@@ -357,8 +377,15 @@ class Prediction:
       ``weight_dtype`` is their one dtype, or ``"mixed"`` when they differ.
     - ``weight_bytes``: all parameters; ``weight_bytes_read``: what the step reads (``active_params`` of them, under
       the ``input_embedding`` convention). ``bytes_per_step`` and ``tpot_ms`` use the bytes read.
+    - ``kv_scales``: for a quantized cache, which scales the bytes include (``kv_scales``); ``None`` otherwise.
     - ``experts_read``: expected distinct routed experts per MoE layer at this batch (``None`` for a dense model).
-    - ``tpot_ms_range``: what real systems reach, from published measurements (``tpot_ms_range_basis`` says which).
+    - ``tpot_ms_range``: what real systems like this one reach, from published measurements: the rows of the same
+      ``hardware_class`` (``kvlab.published.HARDWARE_CLASSES``; ``None``: not known), regime (batch 1 or batched)
+      and weight format (16-bit or quantized), falling back in ``matching_fraction_range``'s order when too few
+      match. ``tpot_ms_range_basis`` says which rows and which set each end; ``tpot_ms_range_fractions`` are the
+      (lowest, highest) bandwidth fractions; ``tpot_ms_range_rows`` names the match and the two end rows. The
+      fractions were measured against bytes counted the published file's way (an untied input table as one row per
+      sequence), so they divide the TPOT of the bytes counted that way, whatever ``input_embedding`` says.
     """
 
     model: str
@@ -369,6 +396,7 @@ class Prediction:
     weight_group_size: int | None
     input_embedding: str
     kv_dtype: str
+    kv_scales: str | None
     window: int | None
     sinks: int
     shared_prefix: int
@@ -385,6 +413,9 @@ class Prediction:
     tpot_ms_weights_only: float
     tpot_ms_range: tuple[float, float]
     tpot_ms_range_basis: str
+    hardware_class: str | None
+    tpot_ms_range_fractions: tuple[float, float]
+    tpot_ms_range_rows: dict
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -403,13 +434,15 @@ def predict(
     group_size: int | None = None,
     weight_group_size: int | None = None,
     input_embedding: str = "table",
+    hardware_class: str | None = None,
 ) -> Prediction:
     """The whole breakdown for one step at ``context`` tokens and ``batch`` sequences (see ``kv_tokens_read``).
 
     Weights default to the dtypes the checkpoint ships in; ``weight_dtype`` overrides every component, and
     ``weight_group_size`` counts int8/int4 group scales (``weight_element_bytes``). ``group_size`` does the same for
     a quantized KV cache. ``context`` may not exceed the model's ``max_seq_len`` (its ``max_position_embeddings``):
-    a model is not served beyond it without RoPE scaling, which a config must then state.
+    a model is not served beyond it without RoPE scaling, which a config must then state. ``hardware_class``
+    picks the published measurements ``tpot_ms_range`` rests on.
     """
     require_int("context", context)
     if context > cfg.max_seq_len:
@@ -422,7 +455,12 @@ def predict(
     read = weight_bytes_read(cfg, weight_dtype, batch, weight_group_size, input_embedding)
     kv = kv_bytes_per_step(cfg, context, batch, kv_dtype, window, sinks, shared_prefix, group_size)
     tpot_ms = predict_tpot_ms(read + kv, bandwidth_gbps)
-    tpot_range, basis = published_tpot_range(tpot_ms)
+    # the published fractions are against bytes counted the file's way: an untied input table as one row per sequence
+    read_as_published = weight_bytes_read(cfg, weight_dtype, batch, weight_group_size, "rows")
+    quantized = read_as_published / active_params(cfg, batch, "rows") < QUANTIZED_BYTES_PER_PARAM
+    tpot_range, fractions = published_tpot_range(
+        predict_tpot_ms(read_as_published + kv, bandwidth_gbps), hardware_class, batch, quantized
+    )
     return Prediction(
         model=cfg.name,
         context=context,
@@ -432,6 +470,7 @@ def predict(
         weight_group_size=weight_group_size,
         input_embedding=input_embedding,
         kv_dtype=kv_dtype,
+        kv_scales=kv_scales(kv_dtype, group_size),
         window=window,
         sinks=sinks,
         shared_prefix=shared_prefix,
@@ -447,7 +486,16 @@ def predict(
         tpot_ms=tpot_ms,
         tpot_ms_weights_only=predict_tpot_ms(read, bandwidth_gbps),
         tpot_ms_range=tpot_range,
-        tpot_ms_range_basis=basis,
+        tpot_ms_range_basis=fractions.basis,
+        hardware_class=hardware_class,
+        tpot_ms_range_fractions=(fractions.lo, fractions.hi),
+        tpot_ms_range_rows={
+            "wanted": fractions.wanted,
+            "matched": fractions.matched,
+            "rows": len(fractions.rows),
+            "lowest_fraction": fractions.low_row.label,
+            "highest_fraction": fractions.high_row.label,
+        },
     )
 
 
@@ -536,12 +584,21 @@ def acceptance_from_rate(rate: float, k: int) -> float:
 class SpeculativePrediction:
     """Bytes per generated token with speculative decoding, against plain decoding, from the byte model.
 
-    A round is ``k`` draft steps and one verify step. The verify step streams the target's weights and KV once for
-    ``k + 1`` positions (the ``k`` extra positions' own K/V are a rounding error against the context), so it reads
-    what a plain step reads: ``target_bytes_per_step``. Each draft step reads ``draft_bytes_per_step`` (0 for
-    prompt lookup). ``speedup`` is plain bytes per token over speculative bytes per token; it assumes every step is
-    bandwidth-bound, which a verify step of ``k + 1`` positions stays at batch 1 but not at large batch (lesson 02's
-    roofline), and it leaves out the drafter's fixed per-step costs.
+    A round is ``k`` draft steps and one verify step. The verify step runs the target over ``k + 1`` positions of
+    each of the ``batch`` sequences: it streams each sequence's KV once (``k`` positions more than a plain step) and
+    the weights those ``batch x (k + 1)`` tokens use. For a dense target that is every weight, as in a plain step;
+    a mixture of experts routes ``batch x (k + 1)`` tokens, so it reads the experts a plain step of that many tokens
+    would (``verify_bytes_per_step``, by ``expected_experts``). Mixtral at batch 1 and ``k = 4`` reads 2.7x a plain
+    step's weights to verify, which eats most of what the accepted drafts save.
+
+    - ``target_bytes_per_step``: the plain step the speedup is measured against.
+    - ``verify_bytes_per_step``: the verify step (equal to the plain step where no count of it was given).
+    - ``draft_bytes_per_step``: one draft step over the same ``batch`` sequences, one token each (0 for prompt
+      lookup).
+
+    ``speedup`` is plain bytes per token over speculative bytes per token; it assumes every step is bandwidth-bound,
+    which a verify step of ``k + 1`` positions stays at batch 1 but not at large batch (lesson 02's roofline), and it
+    leaves out the drafter's fixed per-step costs.
     """
 
     k: int
@@ -553,16 +610,28 @@ class SpeculativePrediction:
     bytes_per_token: float
     speedup: float
     tpot_ms: float
+    verify_bytes_per_step: int
 
 
 def predict_speculative(
-    target_bytes_per_step: int, k: int, acceptance: float, bandwidth_gbps: float, draft_bytes_per_step: int = 0
+    target_bytes_per_step: int,
+    k: int,
+    acceptance: float,
+    bandwidth_gbps: float,
+    draft_bytes_per_step: int = 0,
+    verify_bytes_per_step: int | None = None,
 ) -> SpeculativePrediction:
-    """``SpeculativePrediction`` for ``k`` drafts per verify step at acceptance rate ``acceptance``."""
+    """``SpeculativePrediction`` for ``k`` drafts per verify step at per-draft acceptance ``acceptance`` (the
+    probability ``a`` that a draft is kept given the ones before it were; ``acceptance_from_rate`` converts the
+    accepted / drafted share serving systems report). ``verify_bytes_per_step``: what the verify step reads
+    (``verify_bytes_per_step(cfg, p, k)``); ``None`` charges it the plain step's bytes, which is right for a dense
+    target up to the ``k`` extra positions' KV."""
     require_int("target_bytes_per_step", target_bytes_per_step)
     require_int("draft_bytes_per_step", draft_bytes_per_step, 0)
+    verify = target_bytes_per_step if verify_bytes_per_step is None else verify_bytes_per_step
+    require_int("verify_bytes_per_step", verify)
     tokens = expected_tokens_per_step(acceptance, k)
-    per_round = target_bytes_per_step + k * draft_bytes_per_step
+    per_round = verify + k * draft_bytes_per_step
     per_token = per_round / tokens
     return SpeculativePrediction(
         k=k,
@@ -574,16 +643,48 @@ def predict_speculative(
         bytes_per_token=per_token,
         speedup=target_bytes_per_step / per_token,
         tpot_ms=predict_tpot_ms(per_token, bandwidth_gbps),
+        verify_bytes_per_step=verify,
     )
 
 
+def verify_bytes_per_step(cfg: ModelConfig, p: Prediction, k: int) -> int:
+    """Bytes a verify step over ``k + 1`` positions of each of ``p.batch`` sequences reads, ``p``'s settings kept.
+
+    Weights: what a step routing ``p.batch x (k + 1)`` tokens reads (``weight_bytes_read``: for a mixture of
+    experts, the ``expected_experts`` of that many tokens; for a dense model, the same as a plain step, plus ``k``
+    more input-embedding rows per sequence under ``input_embedding="rows"``). KV: each sequence's cache once, at
+    ``p.context + k`` tokens (the drafted positions are written and attended to as well). At ``k = 0`` this is
+    ``p.bytes_per_step``.
+    """
+    require_int("k", k, 0)
+    weight_dtype = None if p.weight_dtype == "mixed" else p.weight_dtype
+    weights = weight_bytes_read(cfg, weight_dtype, p.batch * (k + 1), p.weight_group_size, p.input_embedding)
+    kv = kv_bytes_per_step(cfg, p.context + k, p.batch, p.kv_dtype, p.window, p.sinks, p.shared_prefix, p.group_size)
+    return weights + kv
+
+
 def best_speculation_k(
-    target_bytes_per_step: int, acceptance: float, draft_bytes_per_step: int = 0, k_max: int = 16
+    target_bytes_per_step: int,
+    acceptance: float,
+    draft_bytes_per_step: int = 0,
+    k_max: int = 16,
+    verify_bytes: Callable[[int], int] | None = None,
 ) -> int:
-    """The ``k`` in ``0 .. k_max`` with the fewest bytes per token (the smallest such ``k`` on a tie)."""
+    """The ``k`` in ``0 .. k_max`` with the fewest bytes per token (the smallest such ``k`` on a tie).
+
+    ``verify_bytes``: the verify step's bytes for a given ``k`` (e.g. ``lambda k: verify_bytes_per_step(cfg, p,
+    k)``); ``None`` charges every ``k`` the plain step's bytes.
+    """
     require_int("k_max", k_max, 0)
     cost = [
-        predict_speculative(target_bytes_per_step, k, acceptance, 1.0, draft_bytes_per_step).bytes_per_token
+        predict_speculative(
+            target_bytes_per_step,
+            k,
+            acceptance,
+            1.0,
+            draft_bytes_per_step,
+            None if verify_bytes is None else verify_bytes(k),
+        ).bytes_per_token
         for k in range(k_max + 1)
     ]
     return cost.index(min(cost))

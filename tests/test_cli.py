@@ -29,9 +29,11 @@ def test_predict_speculation_divides_the_round_by_the_expected_tokens(capsys):
     draft_step = json.loads(draft)["bytes_per_step"]
     tokens = 1 + 0.5 + 0.25 + 0.125 + 0.0625
     assert spec["draft_bytes_per_step"] == draft_step and spec["tokens_per_step"] == tokens
-    assert spec["bytes_per_token"] == (step + 4 * draft_step) / tokens
+    # a dense target's verify step reads the plain step and the 4 drafted positions' KV
+    verify = step + 4 * json.loads(plain)["kv_bytes_per_token"]
+    assert spec["verify_bytes_per_step"] == verify and spec["bytes_per_token"] == (verify + 4 * draft_step) / tokens
     code, out, _ = run_cli(capsys, *base[:-1], "--speculate", "3", "--acceptance", "0.8")
-    assert code == 0 and "k=3 drafts at acceptance 0.8: 2.95 tokens per verify step" in out
+    assert code == 0 and "k=3 drafts at per-position acceptance a = 0.8: 2.95 tokens per verify step" in out
     assert "a drafter that reads no bytes (prompt lookup)" in out and "TPOT, speculative" in out
 
 
@@ -183,7 +185,26 @@ def test_predict_reads_a_hugging_face_config(tmp_path, capsys):
         ),
         (
             ["predict", "--model", "llama-3.1-8b", "--bandwidth", "9", "--context", "9", "--speculate", "4"],
-            ["--acceptance", "[0, 1]"],
+            ["--acceptance", "--acceptance-rate", "[0, 1]"],
+        ),
+        (
+            ["predict", "--model", "llama-3.1-8b", "--bandwidth", "9", "--context", "9", "--speculate", "4"]
+            + ["--acceptance", "0.5", "--acceptance-rate", "0.5"],
+            ["--acceptance, --acceptance-rate", "exactly one"],
+        ),
+        (
+            ["predict", "--model", "llama-3.1-8b", "--bandwidth", "9", "--context", "9", "--speculate", "4"]
+            + ["--acceptance-rate", "1.2"],
+            ["--acceptance-rate", "'1.2'", "[0, 1]"],
+        ),
+        (
+            ["predict", "--model", "llama-3.1-8b", "--bandwidth", "9", "--context", "9", "--acceptance-rate", "0.5"],
+            ["--acceptance-rate", "--speculate"],
+        ),
+        (
+            ["predict", "--model", "llama-3.1-8b", "--bandwidth", "9", "--context", "9", "--speculate", "4"]
+            + ["--acceptance", "0.5", "--draft-fraction", "2"],
+            ["--draft-fraction", "[0, 1]"],
         ),
         (
             ["predict", "--model", "llama-3.1-8b", "--bandwidth", "9", "--context", "9", "--speculate", "2"]
@@ -206,6 +227,60 @@ def test_bad_arguments_give_one_line_naming_them_and_exit_2(capsys, argv, names)
     assert err.count("\n") == 1, err
     for name in names:
         assert name in err
+
+
+def test_acceptance_rate_is_converted_to_the_per_position_probability(capsys):
+    base = ["predict", "--model", "llama-3.1-70b", "--gpu", "h100-sxm", "--context", "8k", "--speculate", "4"]
+    code, out, _ = run_cli(capsys, *base, "--acceptance-rate", "0.5561", "--json")
+    spec = json.loads(out)["speculative"]
+    assert code == 0 and round(spec["acceptance"], 3) == 0.779 and round(spec["tokens_per_step"], 2) == 3.22
+    code, out, _ = run_cli(capsys, *base, "--acceptance", "0.5561", "--json")
+    assert round(json.loads(out)["speculative"]["tokens_per_step"], 2) == 2.13  # as a, the same figure is worth less
+
+
+def test_acceptance_help_says_it_is_the_per_position_probability(capsys):
+    code, out, _ = run_cli(capsys, "predict", "--help")
+    text = " ".join(out.split())
+    assert "the per-position acceptance probability a" in text and "accepted / drafted tokens at this K" in text
+
+
+def test_moe_speculation_charges_the_verify_step_its_experts(capsys):
+    base = ["predict", "--model", "mixtral-8x7b", "--gpu", "h100-sxm", "--context", "4096", "--json"]
+    code, out, _ = run_cli(capsys, *base, "--speculate", "4", "--acceptance", "0.8")
+    spec = json.loads(out)["speculative"]
+    assert code == 0 and spec["speedup"] == pytest.approx(1.22, abs=0.01)
+    assert spec["verify_bytes_per_step"] > 2.7 * spec["target_bytes_per_step"]
+
+
+@pytest.mark.parametrize(
+    ("target", "draft", "names"),
+    [
+        ("deepseek-v3", "llama-3.1-8b", ["128,256", "129,280"]),
+        ("gemma-3-27b", "llama-3.1-8b", ["128,256", "262,144"]),
+        ("gpt-oss-120b", "llama-3.1-8b", ["128,256", "201,088"]),
+        ("llama-2-70b", "mistral-7b-v0.1", ["mistral", "llama-2", "32,000"]),  # one size, two tokenizers
+    ],
+)
+def test_a_draft_with_another_vocabulary_is_refused_naming_both(capsys, target, draft, names):
+    code, _, err = run_cli(
+        capsys, "predict", "--model", target, "--gpu", "h200-sxm", "--context", "4k", "--speculate", "2",
+        "--acceptance", "0.7", "--draft-model", draft,
+    )  # fmt: skip
+    assert code == 2 and err.startswith("kvlab predict: error: --draft-model: ")
+    for name in [target, draft, *names]:
+        assert name in err
+
+
+def test_predict_says_which_fp8_cache_it_counts(capsys):
+    base = ["predict", "--model", "llama-3.1-8b", "--gpu", "h100-sxm", "--context", "8k", "--kv-dtype", "fp8"]
+    tensor = json.loads(run_cli(capsys, *base, "--json")[1])
+    group = json.loads(run_cli(capsys, *base, "--group-size", "32", "--json")[1])
+    assert tensor["kv_bytes_per_token"] == 32 * 8 * 128 * 2 and "one scale per tensor" in tensor["kv_scales"]
+    assert "vLLM's default fp8" in tensor["kv_scales"]
+    assert group["kv_bytes_per_token"] == 32 * 8 * 128 * 2 * 34 // 32 and "per group of 32" in group["kv_scales"]
+    assert "zero point" not in group["kv_scales"]  # an fp8 group keeps a scale only
+    int8 = json.loads(run_cli(capsys, *base[:-1], "int8", "--group-size", "32", "--json")[1])
+    assert "scale and zero point" in int8["kv_scales"]
 
 
 def test_token_counts_accept_k_suffix():

@@ -1,9 +1,11 @@
-"""Presets against the models' own configs: context lengths and shipped weight formats."""
+"""Presets against the models' own configs: context lengths, tied embeddings and shipped weight formats."""
 
 import pytest
 
 from kvlab import get_model
-from kvlab.presets import get_gpu
+from kvlab.presets import draft_of, get_gpu, gpu_presets, model_presets, same_vocabulary
+from kvlab.published import HARDWARE_CLASSES
+from kvlab.roofline import active_params, param_count, predict, weight_bytes
 
 # max_position_embeddings from each model's config (sources in kvlab/data/reference_presets.md)
 CONTEXT = {
@@ -43,3 +45,61 @@ def test_rtx_4090_tensor_figures_say_their_accumulate_precision():
     gpu = get_gpu("rtx-4090")
     assert (gpu.bf16_tflops, gpu.fp8_tflops) == (165.2, 330.3)
     assert "FP32 accumulate" in gpu.tflops_note and "FP16 accumulate" in gpu.tflops_note
+
+
+# tie_word_embeddings in each model's config.json, or the model code where the config is silent (sources in
+# kvlab/data/reference_presets.md, "Tied embeddings")
+TIED = {
+    "llama-2-7b": False,
+    "llama-2-70b": False,
+    "llama-3.1-8b": False,
+    "llama-3.1-70b": False,
+    "llama-3.1-405b": False,
+    "mistral-7b-v0.1": False,
+    "mixtral-8x7b": False,
+    "qwen2.5-7b": False,
+    "qwen3-4b": True,
+    "qwen3-8b": False,
+    "qwen3-32b": False,
+    "gemma-2-9b": True,
+    "gemma-3-27b": True,
+    "deepseek-v3": False,
+    "gpt-oss-20b": False,
+    "gpt-oss-120b": False,
+    "smollm2-135m": True,
+    "gpt2-small": True,
+}
+
+
+def test_every_real_preset_says_whether_it_ties_its_embeddings():
+    real = [n for n in model_presets() if n not in ("cpu-tiny", "cpu-small") and not draft_of(n)]
+    assert sorted(real) == sorted(TIED)
+    for name, tied in TIED.items():
+        assert get_model(name).tie_embeddings is tied, name
+
+
+def test_gemma_3_27b_ties_its_embeddings_and_has_its_published_count():
+    """Gemma 3 technical report (arXiv 2503.19786), table 1: 1,416M embedding + 25,600M non-embedding parameters."""
+    cfg = get_model("gemma-3-27b")
+    assert param_count(cfg) / 1e9 == pytest.approx((1416 + 25600) / 1e3, abs=0.05)
+    assert weight_bytes(cfg) / 1e9 == pytest.approx(54.0, abs=0.05)
+    h100 = get_gpu("h100-sxm")
+    p = predict(cfg, 32768, h100.bandwidth_gbps, batch=8)
+    assert p.weight_bytes + p.kv_bytes <= h100.memory_gb * 1e9  # batch 8 fits at 32k
+
+
+def test_deepseek_v3_mtp_draft_has_the_published_module_size():
+    """README_WEIGHTS.md of deepseek-ai/DeepSeek-V3: 11.5B unique parameters besides the shared 0.9B embedding and
+    0.9B head, 2.4B of them active."""
+    mtp, target = get_model("deepseek-v3-mtp"), get_model("deepseek-v3")
+    shared = 2 * mtp.vocab_size * mtp.d_model
+    assert (param_count(mtp) - shared) / 1e9 == pytest.approx(11.5, abs=0.05)
+    assert active_params(mtp, 1, "table") / 1e9 == pytest.approx(2.4, abs=0.05)
+    assert draft_of("deepseek-v3-mtp") == "deepseek-v3" and same_vocabulary(target, mtp) is None
+
+
+def test_every_gpu_preset_has_a_hardware_class():
+    assert {g.hardware_class for g in gpu_presets().values()} <= set(HARDWARE_CLASSES)
+    assert get_gpu("h100-sxm").hardware_class == "datacenter-gpu"
+    assert get_gpu("rtx-4090").hardware_class == "consumer-gpu"
+    assert get_gpu("apple-m2-max").hardware_class == "apple"

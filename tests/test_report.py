@@ -258,3 +258,41 @@ def test_measure_adds_this_machines_sweep(capsys, tmp_path: Path) -> None:
     assert (tmp_path / "out" / "measured.png").stat().st_size > 0
     page = (tmp_path / "out" / "index.html").read_text()
     assert "Measured on this machine" in page and page.count("<img ") == 4 and "this machine (cpu-small" in page
+
+
+def test_the_speculative_draft_always_shares_the_targets_vocabulary() -> None:
+    from kvlab.presets import get_model, same_vocabulary
+    from kvlab.report import _speculative_assumption
+
+    kinds = {}
+    for name, cfg in model_presets().items():
+        spec = _speculative_assumption(cfg)
+        kinds[name] = spec["kind"], spec["draft"]
+        if spec["draft"] is not None:
+            assert same_vocabulary(cfg, get_model(spec["draft"])) is None, name
+        else:
+            assert 0 < spec["draft_fraction"] < 1 and "assumption" in spec["why"], name
+    assert kinds["llama-3.1-70b"] == ("preset", "llama-3.1-8b")
+    assert kinds["deepseek-v3"] == ("head", "deepseek-v3-mtp")  # the multi-token-prediction module it ships
+    for name in ("gemma-3-27b", "gemma-2-9b", "llama-3.1-8b"):
+        assert kinds[name] == ("fraction", None), name  # no smaller preset of its vocabulary
+
+
+def test_deepseek_v3_report_drafts_with_its_mtp_head(capsys, tmp_path: Path) -> None:
+    r = report(capsys, tmp_path, "--model", "deepseek-v3", "--gpu", "h200-sxm", "--context", "32k", "--batch", "8")
+    row = next(row for row in r["mitigations"] if row["key"] == "speculative")
+    assert row["predict_flags"][-2:] == ["--draft-model", "deepseek-v3-mtp"]
+    assert "llama" not in (row["assumption"] + " ".join(row["predict_flags"])).lower()
+    spec = row["prediction"]["speculative"]
+    assert spec["k"] <= 1 and spec["verify_bytes_per_step"] > spec["target_bytes_per_step"]
+    assert "arXiv 2412.19437" in row["citation"] and "README_WEIGHTS.md" in row["citation"]
+
+
+def test_fp8_row_models_vllms_per_tensor_cache_and_says_the_quality_is_per_group(capsys, tmp_path: Path) -> None:
+    r = report(capsys, tmp_path, "--model", "gemma-3-27b", *GPU, "--context", "32k", "--batch", "8")
+    rows = {row["key"]: row for row in r["mitigations"]}
+    fp8 = rows["kv-fp8"]
+    assert fp8["predict_flags"] == ["--kv-dtype", "fp8"] and "one scale per tensor" in fp8["assumption"]
+    assert "zero point" not in fp8["assumption"] and "does not carry over" in fp8["quality"]
+    assert "scale and zero point per group of 32" in rows["kv-int8"]["assumption"]
+    assert r["memory"]["fits"] and r["memory"]["max_batch_at_context"] == 8  # tied embeddings: 54.02 GB of weights
