@@ -1,0 +1,192 @@
+"""``kvlab bench --endpoint``'s latencies against a scripted server whose truth is known exactly, and beside a
+replica of how vLLM's benchmark client measures the same streams (to show where the two agree and where, by
+definition, they differ).
+
+The replica follows vLLM's ``benchmarks/backend_request_func.py`` (``async_request_openai_completions`` and
+``..._chat_completions``) and ``calculate_metrics`` in ``benchmark_serving.py``: every chunk with ``choices`` is a
+token arrival (TTFT at the first, ITL between them); ``usage`` is read from a chunk without ``choices``; the output
+count is ``usage.completion_tokens``, else the tokenizer's count of the text; the latency ends at the last chunk
+with ``choices`` (current versions) or after ``[DONE]`` (older ones); TPOT = (latency - TTFT) / (n - 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+import httpx
+import pytest
+
+from kvlab.endpoint import RequestOptions, ServerFacts, load_tokenizer, random_prompts, request_body, run_benchmark
+
+from .scripted_sse import Script, ScriptedServer, save_word_tokenizer, scripted_server
+
+N_PROMPTS, CONCURRENCY = 4, 4
+RTOL = 0.05  # the brief's agreement: 5% on mean TPOT and ITL
+WORD_PROMPTS = ServerFacts(None, tokens_per_char=0.25)  # prompts sized without a probe; lengths do not matter here
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ScriptedServer]:
+    with scripted_server() as s:
+        yield s
+
+
+def kvlab_bench(server: ScriptedServer, script: Script, options: RequestOptions | None = None, prompts=None):
+    server.script = script
+    options = options or RequestOptions()
+    prompts = prompts or random_prompts(N_PROMPTS, 16, script.n_tokens)
+    return run_benchmark(
+        server.url + "/v1", "scripted", prompts, max_concurrency=CONCURRENCY, options=options, facts=WORD_PROMPTS
+    )
+
+
+async def _vllm_request(client: httpx.AsyncClient, url: str, body: dict, chat: bool, latency_at_done: bool) -> dict:
+    ttft, itl, text, output_tokens = 0.0, [], "", None
+    start = most_recent = time.perf_counter()
+    async with client.stream("POST", url, json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            line = line.strip()
+            if not line:
+                continue
+            chunk = line.removeprefix("data: ")
+            if chunk == "[DONE]":
+                continue
+            data = json.loads(chunk)
+            if choices := data.get("choices"):
+                now = time.perf_counter()
+                if ttft == 0.0:
+                    ttft = now - start
+                else:
+                    itl.append(now - most_recent)
+                most_recent = now
+                text += (choices[0]["delta"].get("content") if chat else choices[0].get("text")) or ""
+            elif usage := data.get("usage"):
+                output_tokens = usage.get("completion_tokens")
+    latency = (time.perf_counter() if latency_at_done else most_recent) - start
+    return {"ttft": ttft, "itl": itl, "latency": latency, "output_tokens": output_tokens, "text": text}
+
+
+def vllm_bench(server: ScriptedServer, script: Script, chat=False, tokenizer=None, latency_at_done=False) -> dict:
+    """The replica's ``mean_tpot_ms``, ``mean_itl_ms``, ``mean_ttft_ms``, ``mean_e2el_ms``, ``output_lens``."""
+    server.script = script
+    options = RequestOptions("chat" if chat else "completions")
+    prompts = [replace(p, text="the " * 16) for p in random_prompts(N_PROMPTS, 16, script.n_tokens)]
+    url = server.url + ("/v1/chat/completions" if chat else "/v1/completions")
+
+    async def run() -> list[dict]:
+        gate = asyncio.Semaphore(CONCURRENCY)
+        async with httpx.AsyncClient(timeout=60) as client:
+            await _vllm_request(client, url, request_body("scripted", prompts[0], options), chat, latency_at_done)
+
+            async def one(prompt) -> dict:
+                async with gate:
+                    body = request_body("scripted", prompt, options)
+                    return await _vllm_request(client, url, body, chat, latency_at_done)
+
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+    outputs = asyncio.run(run())
+    lens, tpots, itls = [], [], []
+    for o in outputs:
+        n = o["output_tokens"]
+        if not n and tokenizer is not None:  # the later upstream rule
+            n = len(tokenizer(o["text"], add_special_tokens=False).input_ids)
+        lens.append(n)
+        if n and n > 1:
+            tpots.append((o["latency"] - o["ttft"]) / (n - 1))
+        itls += o["itl"]
+    return {
+        "output_lens": lens,
+        "mean_tpot_ms": 1e3 * sum(tpots) / len(tpots) if tpots else math.nan,
+        "mean_itl_ms": 1e3 * sum(itls) / len(itls),
+        "mean_ttft_ms": 1e3 * sum(o["ttft"] for o in outputs) / len(outputs),
+        "mean_e2el_ms": 1e3 * sum(o["latency"] for o in outputs) / len(outputs),
+    }
+
+
+def assert_truth(result: dict, script: Script) -> None:
+    """kvlab's means equal the scripted truth: TPOT and ITL within 5%; TTFT and E2EL never below it (a chunk cannot
+    arrive before it is sent) and at most 50 ms above (loopback, and both ends sharing a loaded host's CPUs): less than
+    any difference of definition these tests look for (a gap of 30 ms, a TTFT of 60 ms, a tail of 100 ms)."""
+    assert result["completed"] == N_PROMPTS and result["output_lens"] == [script.n_tokens] * N_PROMPTS
+    assert result["mean_tpot_ms"] == pytest.approx(script.tpot_ms, rel=RTOL)
+    assert result["mean_itl_ms"] == pytest.approx(script.itl_ms, rel=RTOL)
+    for name, truth in (("ttft", script.ttft_ms), ("e2el", script.e2el_ms)):
+        assert truth - 1 <= result[f"mean_{name}_ms"] <= truth + 50, name
+
+
+def assert_agree(kvlab: dict, vllm: dict) -> None:
+    assert kvlab["mean_tpot_ms"] == pytest.approx(vllm["mean_tpot_ms"], rel=RTOL)
+    assert kvlab["mean_itl_ms"] == pytest.approx(vllm["mean_itl_ms"], rel=RTOL)
+
+
+def test_usage_and_one_token_per_chunk_both_clients_get_the_truth(server: ScriptedServer) -> None:
+    script = Script()
+    kvlab = kvlab_bench(server, script)
+    assert_truth(kvlab, script)
+    assert kvlab["output_tokens_counted_by"] == ["usage"]
+    assert_agree(kvlab, vllm_bench(server, script))
+
+
+def test_tokens_streamed_with_empty_text_are_tokens_not_failures(server: ScriptedServer) -> None:
+    script = Script(text=False)
+    kvlab = kvlab_bench(server, script)
+    assert kvlab["failed"] == 0 and all(len(i) == script.chunks - 1 for i in kvlab["itls"])
+    assert_truth(kvlab, script)
+    assert_agree(kvlab, vllm_bench(server, script))
+
+
+def test_e2el_ends_at_the_last_token_not_at_a_late_done(server: ScriptedServer) -> None:
+    script = Script(tail_s=0.1)
+    kvlab = kvlab_bench(server, script)
+    assert_truth(kvlab, script)
+    assert_agree(kvlab, vllm_bench(server, script))  # current vLLM: latency at the last chunk with choices
+    # Older vLLM timed the latency to [DONE]: its TPOT carries the tail spread over n - 1 tokens.
+    old = vllm_bench(server, script, latency_at_done=True)
+    late = script.tail_s * 1e3 / (script.n_tokens - 1)
+    assert old["mean_tpot_ms"] == pytest.approx(kvlab["mean_tpot_ms"] + late, rel=RTOL)
+
+
+def test_a_chat_role_opener_is_not_a_token_for_kvlab_but_is_for_vllm(server: ScriptedServer) -> None:
+    script = Script(role_opener=True)
+    kvlab = kvlab_bench(server, script, RequestOptions("chat"))
+    assert_truth(kvlab, script)
+    assert all("messages" in b and b["max_completion_tokens"] == script.n_tokens for b in script.bodies)
+    # vLLM's client times the role-only chunk, sent at once, as the first token: TTFT near 0, and that first gap
+    # lands in its ITL and TPOT. The definitions differ here; the later gaps agree.
+    vllm = vllm_bench(server, replace(script, bodies=[]), chat=True)
+    assert vllm["mean_ttft_ms"] < kvlab["mean_ttft_ms"] - 0.5 * script.ttft_ms
+    assert vllm["mean_tpot_ms"] == pytest.approx(script.e2el_ms / (script.n_tokens - 1), rel=0.1)
+
+
+def test_without_usage_or_tokenizer_tokens_are_counted_as_chunks(server: ScriptedServer) -> None:
+    script = Script(tokens_per_chunk=2, usage=False)
+    kvlab = kvlab_bench(server, script)
+    assert kvlab["output_tokens_counted_by"] == ["chunks"] and kvlab["output_lens"] == [script.chunks] * N_PROMPTS
+    # A chunk is taken for one token, so TPOT is the chunk gap: twice the truth at two tokens a chunk.
+    assert kvlab["mean_tpot_ms"] == pytest.approx(script.itl_ms, rel=RTOL)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory):
+    return load_tokenizer(save_word_tokenizer(str(tmp_path_factory.mktemp("tokenizer"))))
+
+
+@pytest.mark.slow  # transformers' import alone takes seconds
+def test_two_tokens_a_chunk_without_usage_are_counted_by_the_tokenizer(server: ScriptedServer, tokenizer) -> None:
+    script = Script(tokens_per_chunk=2, usage=False)
+    prompts = random_prompts(N_PROMPTS, 16, script.n_tokens, tokenizer=tokenizer)
+    kvlab = kvlab_bench(server, script, RequestOptions(tokenizer=tokenizer), prompts)
+    assert kvlab["output_tokens_counted_by"] == ["tokenizer"]
+    assert_truth(kvlab, script)
+    # With a tokenizer the prompts are exact: the server saw 16 token ids per request.
+    assert [len(b["prompt"]) for b in script.bodies] == [16] * (N_PROMPTS + 1)  # and the warm-up's
+    vllm = vllm_bench(server, replace(script, bodies=[]), tokenizer=tokenizer)
+    assert vllm["output_lens"] == [script.n_tokens] * N_PROMPTS
+    assert_agree(kvlab, vllm)
