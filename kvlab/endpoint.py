@@ -135,7 +135,7 @@ def words(n_chars: int, seed: int) -> str:
     while length < n_chars:
         out.append(rng.choice(WORDS))
         length += len(out[-1]) + 1
-    return " ".join(out)[: max(n_chars, 1)].rstrip() or out[0]
+    return " ".join(out)[: max(n_chars, 1)]
 
 
 def exact_prompt(tokenizer: Tokenizer, input_len: int, max_tokens: int, seed: int) -> Prompt:

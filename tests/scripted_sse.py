@@ -1,18 +1,25 @@
 """A scripted OpenAI-compatible SSE server for the client tests: every chunk leaves on an exact, absolute schedule,
 so the latencies a client should measure are known in advance (``Script``'s truth properties).
 
-It listens on a real loopback socket (uvicorn in a thread), as a remote server would, and records each body."""
+It runs in a process of its own on a loopback socket, as a remote server would (in the tests' process its timers
+would wait on the client's work), and records each body. ``PUT /script`` sets what it sends, ``GET /bodies`` reads
+what it received."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
+import os
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
+import httpx
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -25,19 +32,19 @@ class Script:
     """What every streamed request gets: ``chunks`` events carrying ``tokens_per_chunk`` tokens each (the word
     ``the``, or empty text when ``text`` is False), the first ``ttft_s`` after the request arrives and then one every
     ``gap_s``; then, ``tail_s`` later, the usage event (when ``usage`` and the client asked for it) and ``[DONE]``.
-    ``role_opener``: chat streams open with a role-only chunk at once, as vLLM's server does."""
+    ``role_opener``: chat streams open with a role-only chunk at once, as vLLM's server does. ``usage_on_last_chunk``:
+    the usage rides on the last token chunk instead of an event of its own."""
 
     ttft_s: float = 0.06
-    gap_s: float = 0.03
-    chunks: int = 12
+    gap_s: float = 0.04
+    chunks: int = 16
     tokens_per_chunk: int = 1
     text: bool = True
     usage: bool = True
     tail_s: float = 0.0
     role_opener: bool = False
+    usage_on_last_chunk: bool = False  # as llama.cpp's llama-server sends it on completions
     max_model_len: int | None = None
-    refuse_first: int = 0  # answer the first N streamed requests 429
-    bodies: list[dict] = field(default_factory=list, compare=False)
 
     @property
     def n_tokens(self) -> int:
@@ -64,18 +71,22 @@ def _sse(event: dict) -> str:
     return f"data: {json.dumps(event)}\n\n"
 
 
-class ScriptedServer:
-    """``script`` may be replaced between requests; ``url`` is the server's root."""
-
+class _App:
     def __init__(self) -> None:
         self.script = Script()
+        self.bodies: list[dict] = []
         routes = [
             Route("/v1/completions", self._generate, methods=["POST"]),
             Route("/v1/chat/completions", self._generate, methods=["POST"]),
             Route("/v1/models", self._models),
+            Route("/script", self._set_script, methods=["PUT"]),
+            Route("/bodies", lambda request: JSONResponse(self.bodies)),
         ]
         self.app = Starlette(routes=routes)
-        self.url = ""
+
+    async def _set_script(self, request: Request) -> Response:
+        self.script, self.bodies = Script(**await request.json()), []
+        return JSONResponse({})
 
     async def _models(self, request: Request) -> Response:
         model = {"id": "scripted", "object": "model"}
@@ -87,15 +98,13 @@ class ScriptedServer:
         start = time.perf_counter()
         script = self.script
         body = await request.json()
-        script.bodies.append(body)
+        self.bodies.append(body)
         chat = request.url.path.endswith("/chat/completions")
         prompt = body["messages"][0]["content"] if chat else body["prompt"]
         prompt_tokens = len(prompt) if isinstance(prompt, list) else len(prompt.split())
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": script.n_tokens}
         if not body.get("stream"):
             return JSONResponse({"choices": [{"index": 0, "text": "the", "finish_reason": "length"}], "usage": usage})
-        if sum(1 for b in script.bodies if b.get("stream")) <= script.refuse_first:
-            return JSONResponse({"error": {"message": "busy"}}, status_code=429)
         piece = " the" * script.tokens_per_chunk if script.text else ""
         wants_usage = script.usage and (body.get("stream_options") or {}).get("include_usage")
 
@@ -113,32 +122,53 @@ class ScriptedServer:
                 yield _sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
             for k in range(script.chunks):
                 await at(script.ttft_s + k * script.gap_s)
-                yield _sse({"choices": [choice(k)]})
+                last = k == script.chunks - 1
+                yield _sse({"choices": [choice(k)]} | ({"usage": usage} if last and script.usage_on_last_chunk else {}))
             await at(script.ttft_s + (script.chunks - 1) * script.gap_s + script.tail_s)
-            if wants_usage:
+            if wants_usage and not script.usage_on_last_chunk:
                 yield _sse({"choices": [], "usage": usage})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
 
+class ScriptedServer:
+    """A handle on the server process: ``url`` (its root), ``use(script)``, ``bodies()``."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def use(self, script: Script) -> None:
+        """Send ``script`` from the next request on, and forget the bodies received so far."""
+        httpx.put(self.url + "/script", json=asdict(script)).raise_for_status()
+
+    def bodies(self) -> list[dict]:
+        return httpx.get(self.url + "/bodies").json()
+
+
 @contextmanager
 def scripted_server() -> Iterator[ScriptedServer]:
-    """A ``ScriptedServer`` listening on 127.0.0.1 (a free port) for the block's duration."""
-    server = ScriptedServer()
-    uv = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    server.url = f"http://127.0.0.1:{uv.servers[0].sockets[0].getsockname()[1]}"
+    """A ``ScriptedServer`` process listening on 127.0.0.1 (a free port) for the block's duration."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen([sys.executable, "-m", "tests.scripted_sse", str(port)], cwd=root, env=env)
+    server = ScriptedServer(f"http://127.0.0.1:{port}")
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            server.bodies()
+            break
+        except httpx.HTTPError:
+            assert process.poll() is None and time.monotonic() < deadline, "the scripted server did not start"
+            time.sleep(0.05)
     try:
         yield server
     finally:
-        uv.should_exit = True
-        thread.join(timeout=10)
+        process.terminate()
+        process.wait(timeout=30)
 
 
 def save_word_tokenizer(folder: str) -> str:
@@ -154,3 +184,7 @@ def save_word_tokenizer(folder: str) -> str:
     core.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]").save_pretrained(folder)
     return folder
+
+
+if __name__ == "__main__":
+    uvicorn.run(_App().app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")

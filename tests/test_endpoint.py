@@ -244,9 +244,8 @@ def test_a_context_sweep_sends_prompts_of_each_length():
         "http://test", "m", [8, 32], 2, 2, transport=httpx.ASGITransport(app=app), facts=FOUR_CHARS
     )
     assert [r["context"] for r in results] == [8, 32] and [r["input_lens"] for r in results] == [[8, 8], [32, 32]]
-    # Four characters a token: 8 tokens are 32 characters of words, 32 tokens 128 (a word cut at the end may leave
-    # a space, which is stripped).
-    assert sorted(-(-len(b["prompt"]) // 8) for b in app.bodies) == [4, 4, 4, 16, 16, 16]
+    # Four characters a token: 8 tokens are 32 characters of words, 32 tokens 128.
+    assert sorted(len(b["prompt"]) for b in app.bodies) == [32] * 3 + [128] * 3
 
 
 def test_it_runs_from_inside_an_event_loop_as_in_a_notebook():
@@ -265,19 +264,19 @@ def test_importing_the_client_loads_no_torch():
 
 def test_the_command_line_says_how_it_counted(capsys):
     with scripted_server() as server:
-        server.script = Script(ttft_s=0.0, gap_s=0.0, chunks=4, tokens_per_chunk=2, usage=False, max_model_len=600)
+        server.use(Script(ttft_s=0.0, gap_s=0.0, chunks=4, tokens_per_chunk=2, usage=False, max_model_len=600))
         argv = ("bench", "--endpoint", server.url + "/v1", "--model", "scripted", "--num-prompts", "2")
         code, out, _ = run_cli(capsys, *argv, "--output-len", "8")
         assert code == 0 and "COUNTED AS CHUNKS" in out and "after one untimed warm-up request" in out
         # No --input-len: the default fits the 600-token context the server's /v1/models gives (a word a token on
         # this server, which the probe measured), where vLLM's 1024 would not.
-        streamed = [b for b in server.script.bodies if b.get("stream")]
+        streamed = [b for b in server.bodies() if b.get("stream")]
         assert streamed and all(0.8 * (600 - 8) <= len(b["prompt"].split()) <= 600 - 8 for b in streamed)
 
-        server.script = Script(ttft_s=0.0, gap_s=0.0, chunks=4, role_opener=True)
+        server.use(Script(ttft_s=0.0, gap_s=0.0, chunks=4, role_opener=True))
         code, out, _ = run_cli(capsys, *argv, "--backend", "openai-chat", "--ignore-eos", "--input-len", "16")
         assert code == 0 and "counted by the server's usage" in out and "/v1/chat/completions" in out
-        streamed = [b for b in server.script.bodies if b.get("stream")]
+        streamed = [b for b in server.bodies() if b.get("stream")]
         assert len(streamed) == 3 and all(b["ignore_eos"] is True and "messages" in b for b in streamed)
 
 

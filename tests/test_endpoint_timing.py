@@ -37,7 +37,7 @@ def server() -> Iterator[ScriptedServer]:
 
 
 def kvlab_bench(server: ScriptedServer, script: Script, options: RequestOptions | None = None, prompts=None):
-    server.script = script
+    server.use(script)
     options = options or RequestOptions()
     prompts = prompts or random_prompts(N_PROMPTS, 16, script.n_tokens)
     return run_benchmark(
@@ -74,7 +74,7 @@ async def _vllm_request(client: httpx.AsyncClient, url: str, body: dict, chat: b
 
 def vllm_bench(server: ScriptedServer, script: Script, chat=False, tokenizer=None, latency_at_done=False) -> dict:
     """The replica's ``mean_tpot_ms``, ``mean_itl_ms``, ``mean_ttft_ms``, ``mean_e2el_ms``, ``output_lens``."""
-    server.script = script
+    server.use(script)
     options = RequestOptions("chat" if chat else "completions")
     prompts = [replace(p, text="the " * 16) for p in random_prompts(N_PROMPTS, 16, script.n_tokens)]
     url = server.url + ("/v1/chat/completions" if chat else "/v1/completions")
@@ -112,13 +112,16 @@ def vllm_bench(server: ScriptedServer, script: Script, chat=False, tokenizer=Non
 
 def assert_truth(result: dict, script: Script) -> None:
     """kvlab's means equal the scripted truth: TPOT and ITL within 5%; TTFT and E2EL never below it (a chunk cannot
-    arrive before it is sent) and at most 50 ms above (loopback, and both ends sharing a loaded host's CPUs): less than
-    any difference of definition these tests look for (a gap of 30 ms, a TTFT of 60 ms, a tail of 100 ms)."""
+    arrive before it is sent) and less than a quarter of the stream's decode time above it (loopback, and both ends
+    sharing a loaded host's CPUs). A TTFT or E2EL taken at another event than the right chunk (the usage event,
+    ``[DONE]`` after a tail) lands further off; one taken a chunk late shows in the count of ITL gaps."""
     assert result["completed"] == N_PROMPTS and result["output_lens"] == [script.n_tokens] * N_PROMPTS
+    assert all(len(gaps) == script.chunks - 1 for gaps in result["itls"])
     assert result["mean_tpot_ms"] == pytest.approx(script.tpot_ms, rel=RTOL)
     assert result["mean_itl_ms"] == pytest.approx(script.itl_ms, rel=RTOL)
+    slack = (script.e2el_ms - script.ttft_ms) / 4
     for name, truth in (("ttft", script.ttft_ms), ("e2el", script.e2el_ms)):
-        assert truth - 1 <= result[f"mean_{name}_ms"] <= truth + 50, name
+        assert truth - 1 <= result[f"mean_{name}_ms"] <= truth + slack, name
 
 
 def assert_agree(kvlab: dict, vllm: dict) -> None:
@@ -137,13 +140,13 @@ def test_usage_and_one_token_per_chunk_both_clients_get_the_truth(server: Script
 def test_tokens_streamed_with_empty_text_are_tokens_not_failures(server: ScriptedServer) -> None:
     script = Script(text=False)
     kvlab = kvlab_bench(server, script)
-    assert kvlab["failed"] == 0 and all(len(i) == script.chunks - 1 for i in kvlab["itls"])
+    assert kvlab["failed"] == 0
     assert_truth(kvlab, script)
     assert_agree(kvlab, vllm_bench(server, script))
 
 
 def test_e2el_ends_at_the_last_token_not_at_a_late_done(server: ScriptedServer) -> None:
-    script = Script(tail_s=0.1)
+    script = Script(tail_s=0.3)
     kvlab = kvlab_bench(server, script)
     assert_truth(kvlab, script)
     assert_agree(kvlab, vllm_bench(server, script))  # current vLLM: latency at the last chunk with choices
@@ -157,12 +160,24 @@ def test_a_chat_role_opener_is_not_a_token_for_kvlab_but_is_for_vllm(server: Scr
     script = Script(role_opener=True)
     kvlab = kvlab_bench(server, script, RequestOptions("chat"))
     assert_truth(kvlab, script)
-    assert all("messages" in b and b["max_completion_tokens"] == script.n_tokens for b in script.bodies)
+    assert all("messages" in b and b["max_completion_tokens"] == script.n_tokens for b in server.bodies())
     # vLLM's client times the role-only chunk, sent at once, as the first token: TTFT near 0, and that first gap
     # lands in its ITL and TPOT. The definitions differ here; the later gaps agree.
-    vllm = vllm_bench(server, replace(script, bodies=[]), chat=True)
+    vllm = vllm_bench(server, script, chat=True)
     assert vllm["mean_ttft_ms"] < kvlab["mean_ttft_ms"] - 0.5 * script.ttft_ms
     assert vllm["mean_tpot_ms"] == pytest.approx(script.e2el_ms / (script.n_tokens - 1), rel=0.1)
+
+
+def test_usage_on_the_last_token_chunk_is_read_by_kvlab_not_by_vllm(server: ScriptedServer) -> None:
+    script = Script(tokens_per_chunk=2, usage_on_last_chunk=True)
+    kvlab = kvlab_bench(server, script)
+    assert kvlab["output_tokens_counted_by"] == ["usage"]
+    assert_truth(kvlab, script)
+    # vLLM's client looks for usage only in a chunk without choices: it finds none, and (with no tokenizer to fall
+    # back on) has no output count and so no TPOT.
+    vllm = vllm_bench(server, script)
+    assert vllm["output_lens"] == [None] * N_PROMPTS and math.isnan(vllm["mean_tpot_ms"])
+    assert vllm["mean_itl_ms"] == pytest.approx(kvlab["mean_itl_ms"], rel=RTOL)
 
 
 def test_without_usage_or_tokenizer_tokens_are_counted_as_chunks(server: ScriptedServer) -> None:
@@ -186,7 +201,7 @@ def test_two_tokens_a_chunk_without_usage_are_counted_by_the_tokenizer(server: S
     assert kvlab["output_tokens_counted_by"] == ["tokenizer"]
     assert_truth(kvlab, script)
     # With a tokenizer the prompts are exact: the server saw 16 token ids per request.
-    assert [len(b["prompt"]) for b in script.bodies] == [16] * (N_PROMPTS + 1)  # and the warm-up's
-    vllm = vllm_bench(server, replace(script, bodies=[]), tokenizer=tokenizer)
+    assert [len(b["prompt"]) for b in server.bodies()] == [16] * (N_PROMPTS + 1)  # and the warm-up's
+    vllm = vllm_bench(server, script, tokenizer=tokenizer)
     assert vllm["output_lens"] == [script.n_tokens] * N_PROMPTS
     assert_agree(kvlab, vllm)
