@@ -23,6 +23,7 @@ import pytest
 
 from kvlab.endpoint import RequestOptions, ServerFacts, load_tokenizer, random_prompts, request_body, run_benchmark
 
+from .helpers import run_cli
 from .scripted_sse import Script, ScriptedServer, save_word_tokenizer, scripted_server
 
 N_PROMPTS, CONCURRENCY = 4, 4
@@ -205,3 +206,17 @@ def test_two_tokens_a_chunk_without_usage_are_counted_by_the_tokenizer(server: S
     vllm = vllm_bench(server, script, tokenizer=tokenizer)
     assert vllm["output_lens"] == [script.n_tokens] * N_PROMPTS
     assert_agree(kvlab, vllm)
+
+
+@pytest.mark.slow  # transformers' import alone takes seconds
+def test_the_command_line_counts_with_a_tokenizer_folder(server: ScriptedServer, tokenizer, capsys, tmp_path) -> None:
+    folder = tokenizer.name_or_path
+    for p in random_prompts(3, 40, 1, seed=7, tokenizer=tokenizer):  # as chat sends them: text of exactly 40 tokens
+        assert len(tokenizer.encode(p.text, add_special_tokens=False)) == 40 and len(p.ids) == 40
+    server.use(Script(ttft_s=0.0, gap_s=0.0, chunks=4, tokens_per_chunk=3, usage=False))
+    argv = ("bench", "--endpoint", server.url, "--model", "scripted", "--num-prompts", "2", "--input-len", "24")
+    code, out, _ = run_cli(capsys, *argv, "--tokenizer", folder, "--json", str(tmp_path / "out.json"))
+    assert code == 0 and f"counted by {folder}'s count of the streamed text" in out and "exactly" in out
+    assert "CHUNKS" not in out and json.loads((tmp_path / "out.json").read_text())["output_lens"] == [12, 12]
+    code, _, err = run_cli(capsys, *argv, "--tokenizer", folder + "/missing")
+    assert code == 2 and "tokenizer" in err
