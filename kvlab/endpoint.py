@@ -141,7 +141,9 @@ def words(n_chars: int, seed: int) -> str:
 def exact_prompt(tokenizer: Tokenizer, input_len: int, max_tokens: int, seed: int) -> Prompt:
     """A prompt of words that ``tokenizer`` encodes (without special tokens) to exactly ``input_len`` tokens, where
     cutting at a token boundary allows it (a cut that merges on re-encoding is moved, up to 8 times)."""
-    source = tokenizer.encode(words(8 * input_len + 16, seed), add_special_tokens=False)
+    n_chars = 8 * input_len + 16
+    while len(source := tokenizer.encode(words(n_chars, seed), add_special_tokens=False)) < 2 * input_len:
+        n_chars *= 2  # a vocabulary of long tokens
     k = input_len
     for _ in range(8):
         text = tokenizer.decode(source[:k])
@@ -268,6 +270,7 @@ async def stream_one(
     pieces: list[str] = []
     usage: dict = {}
     ended = False
+    opener = None  # arrival of a chat chunk with a role and no text: an opener (vLLM) or a text-less first token
     prompt_len = prompt.input_len or 0
     start = time.perf_counter()
     try:
@@ -296,14 +299,18 @@ async def stream_one(
                     if piece is not None:
                         times.append(arrival)
                         pieces.append(piece)
+                    elif not times:
+                        opener = arrival
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         return RequestOutcome(prompt_len, error=f"{type(e).__name__}: {e}")
     prompt_len = usage.get("prompt_tokens") or prompt_len
     if not ended:
         return RequestOutcome(prompt_len, error="the stream stopped before [DONE] or a finish_reason")
+    n, counted_by = usage.get("completion_tokens"), "usage"
+    if opener is not None and n == len(times) + 1:  # the usage says the role chunk carried a token too
+        times.insert(0, opener)
     if not times:
         return RequestOutcome(prompt_len, error="the stream ended without a token chunk")
-    n, counted_by = usage.get("completion_tokens"), "usage"
     if not n and options.tokenizer is not None:
         n, counted_by = len(options.tokenizer.encode("".join(pieces), add_special_tokens=False)), "tokenizer"
     if not n:

@@ -1,6 +1,7 @@
 """kvlab.endpoint against scripted servers: what a token chunk is, the warm-up, prompts, probes, defaults, errors,
-arrivals and the ``kvlab bench --endpoint`` command line. (Latencies against an exact schedule, and beside vLLM's
-client: test_endpoint_timing.py.)"""
+arrivals and the ``kvlab bench --endpoint`` command line. Most run in-process through ``httpx.ASGITransport``,
+which hands over a response whole, so they check what is counted, not when it arrived: latencies against an exact
+schedule on a real socket, and beside vLLM's client, are in test_endpoint_timing.py."""
 
 from __future__ import annotations
 
@@ -131,6 +132,30 @@ def test_usage_counts_tokens_where_a_chunk_holds_several():
 def test_a_stream_of_empty_text_with_usage_succeeds():
     result = bench(asgi_server(["", "", ""], gap_s=0.0, usage_tokens=3), random_prompts(2, 3, 3))
     assert result["completed"] == 2 and result["output_lens"] == [3, 3] and result["errors"] == ["", ""]
+
+
+def chat_app(first: dict, usage_tokens: int):
+    """A chat stream: ``first`` as the first delta, then the texts ``a`` and ``b``, then the usage."""
+
+    async def app(scope, receive, send):
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for delta, finish in ((first, None), ({"content": "a"}, None), ({"content": "b"}, "length")):
+            await send(event({"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}))
+        await send(event({"choices": [], "usage": {"completion_tokens": usage_tokens, "prompt_tokens": 3}}))
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    return app
+
+
+@pytest.mark.parametrize(("usage_tokens", "tokens_timed"), [(2, 2), (3, 3)])
+def test_a_role_chunk_without_text_is_a_token_only_where_usage_counts_it(usage_tokens, tokens_timed):
+    # vLLM's server opens a chat stream with {"role": "assistant", "content": ""}: no token (usage 2). kvlab serve
+    # puts the role on its first token, whose text may be empty (a split character): a token (usage 3).
+    opener = {"role": "assistant", "content": ""}
+    result = bench(chat_app(opener, usage_tokens), random_prompts(1, 3, 3), options=RequestOptions("chat"))
+    assert result["completed"] == 1 and len(result["itls"][0]) == tokens_timed - 1
 
 
 def test_an_untimed_warm_up_request_goes_first():
