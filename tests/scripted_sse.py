@@ -37,7 +37,7 @@ class Script:
 
     ttft_s: float = 0.06
     gap_s: float = 0.04
-    chunks: int = 16
+    chunks: int = 20
     tokens_per_chunk: int = 1
     text: bool = True
     usage: bool = True

@@ -105,7 +105,7 @@ def bench(app, prompts, **kwargs) -> dict:
     return run_benchmark("http://test", "m", prompts, transport=httpx.ASGITransport(app=app), **kwargs)
 
 
-def test_every_chunk_with_a_choice_is_timed_as_a_token_text_or_not():
+def test_every_chunk_with_a_choice_counts_as_a_token_text_or_not():
     app = asgi_server(["a", "b", "", "c", "d"], gap_s=0.02, usage_tokens=None)
     result = bench(app, random_prompts(2, 5, 4))
     assert set(result) >= VLLM_FIELDS and result["completed"] == 2 and result["failed"] == 0

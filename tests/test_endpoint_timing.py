@@ -26,7 +26,9 @@ from kvlab.endpoint import RequestOptions, ServerFacts, load_tokenizer, random_p
 from .helpers import run_cli
 from .scripted_sse import Script, ScriptedServer, save_word_tokenizer, scripted_server
 
-N_PROMPTS, CONCURRENCY = 4, 4
+pytestmark = pytest.mark.slow  # every test streams real seconds on an exact schedule
+
+N_PROMPTS, CONCURRENCY = 8, 4
 RTOL = 0.05  # the brief's agreement: 5% on mean TPOT and ITL
 WORD_PROMPTS = ServerFacts(None, tokens_per_char=0.25)  # prompts sized without a probe; lengths do not matter here
 
@@ -194,7 +196,6 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory):
     return load_tokenizer(save_word_tokenizer(str(tmp_path_factory.mktemp("tokenizer"))))
 
 
-@pytest.mark.slow  # transformers' import alone takes seconds
 def test_two_tokens_a_chunk_without_usage_are_counted_by_the_tokenizer(server: ScriptedServer, tokenizer) -> None:
     script = Script(tokens_per_chunk=2, usage=False)
     prompts = random_prompts(N_PROMPTS, 16, script.n_tokens, tokenizer=tokenizer)
@@ -208,7 +209,6 @@ def test_two_tokens_a_chunk_without_usage_are_counted_by_the_tokenizer(server: S
     assert_agree(kvlab, vllm)
 
 
-@pytest.mark.slow  # transformers' import alone takes seconds
 def test_the_command_line_counts_with_a_tokenizer_folder(server: ScriptedServer, tokenizer, capsys, tmp_path) -> None:
     folder = tokenizer.name_or_path
     for p in random_prompts(3, 40, 1, seed=7, tokenizer=tokenizer):  # as chat sends them: text of exactly 40 tokens
