@@ -16,6 +16,7 @@ import json
 import math
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import httpx
@@ -40,7 +41,6 @@ def server() -> Iterator[ScriptedServer]:
 
 
 def kvlab_bench(server: ScriptedServer, script: Script, options: RequestOptions | None = None, prompts=None):
-    server.use(script)
     options = options or RequestOptions()
     prompts = prompts or random_prompts(N_PROMPTS, 16, script.n_tokens)
     return run_benchmark(
@@ -77,7 +77,6 @@ async def _vllm_request(client: httpx.AsyncClient, url: str, body: dict, chat: b
 
 def vllm_bench(server: ScriptedServer, script: Script, chat=False, tokenizer=None, latency_at_done=False) -> dict:
     """The replica's ``mean_tpot_ms``, ``mean_itl_ms``, ``mean_ttft_ms``, ``mean_e2el_ms``, ``output_lens``."""
-    server.use(script)
     options = RequestOptions("chat" if chat else "completions")
     prompts = [replace(p, text="the " * 16) for p in random_prompts(N_PROMPTS, 16, script.n_tokens)]
     url = server.url + ("/v1/chat/completions" if chat else "/v1/completions")
@@ -113,6 +112,16 @@ def vllm_bench(server: ScriptedServer, script: Script, chat=False, tokenizer=Non
     }
 
 
+def paired(server: ScriptedServer, script: Script, kvlab: dict, *vllm: dict) -> list[dict]:
+    """kvlab bench (``kvlab``: ``kvlab_bench``'s arguments) and each vLLM replica (``vllm_bench``'s) against
+    ``script`` at the same time, as the review paired them: a stall of this loaded host then hits all alike."""
+    server.use(script)
+    with ThreadPoolExecutor(1 + len(vllm)) as pool:
+        runs = [pool.submit(kvlab_bench, server, script, **kvlab)]
+        runs += [pool.submit(vllm_bench, server, script, **v) for v in vllm]
+        return [run.result() for run in runs]
+
+
 def assert_truth(result: dict, script: Script) -> None:
     """kvlab's means equal the scripted truth: TPOT and ITL within 5%; TTFT and E2EL never below it (a chunk cannot
     arrive before it is sent) and less than a quarter of the stream's decode time above it (loopback, and both ends
@@ -134,58 +143,55 @@ def assert_agree(kvlab: dict, vllm: dict) -> None:
 
 def test_usage_and_one_token_per_chunk_both_clients_get_the_truth(server: ScriptedServer) -> None:
     script = Script()
-    kvlab = kvlab_bench(server, script)
+    kvlab, vllm = paired(server, script, {}, {})
     assert_truth(kvlab, script)
     assert kvlab["output_tokens_counted_by"] == ["usage"]
-    assert_agree(kvlab, vllm_bench(server, script))
+    assert_agree(kvlab, vllm)
 
 
 def test_tokens_streamed_with_empty_text_are_tokens_not_failures(server: ScriptedServer) -> None:
     script = Script(text=False)
-    kvlab = kvlab_bench(server, script)
+    kvlab, vllm = paired(server, script, {}, {})
     assert kvlab["failed"] == 0
     assert_truth(kvlab, script)
-    assert_agree(kvlab, vllm_bench(server, script))
+    assert_agree(kvlab, vllm)
 
 
 def test_e2el_ends_at_the_last_token_not_at_a_late_done(server: ScriptedServer) -> None:
     script = Script(tail_s=0.3)
-    kvlab = kvlab_bench(server, script)
+    kvlab, vllm, old = paired(server, script, {}, {}, {"latency_at_done": True})
     assert_truth(kvlab, script)
-    assert_agree(kvlab, vllm_bench(server, script))  # current vLLM: latency at the last chunk with choices
+    assert_agree(kvlab, vllm)  # current vLLM: latency at the last chunk with choices
     # Older vLLM timed the latency to [DONE]: its TPOT carries the tail spread over n - 1 tokens.
-    old = vllm_bench(server, script, latency_at_done=True)
     late = script.tail_s * 1e3 / (script.n_tokens - 1)
     assert old["mean_tpot_ms"] == pytest.approx(kvlab["mean_tpot_ms"] + late, rel=RTOL)
 
 
 def test_a_chat_role_opener_is_not_a_token_for_kvlab_but_is_for_vllm(server: ScriptedServer) -> None:
     script = Script(role_opener=True)
-    kvlab = kvlab_bench(server, script, RequestOptions("chat"))
+    kvlab, vllm = paired(server, script, {"options": RequestOptions("chat")}, {"chat": True})
     assert_truth(kvlab, script)
     assert all("messages" in b and b["max_completion_tokens"] == script.n_tokens for b in server.bodies())
     # vLLM's client times the role-only chunk, sent at once, as the first token: TTFT near 0, and that first gap
     # lands in its ITL and TPOT. The definitions differ here; the later gaps agree.
-    vllm = vllm_bench(server, script, chat=True)
     assert vllm["mean_ttft_ms"] < kvlab["mean_ttft_ms"] - 0.5 * script.ttft_ms
     assert vllm["mean_tpot_ms"] == pytest.approx(script.e2el_ms / (script.n_tokens - 1), rel=0.1)
 
 
 def test_usage_on_the_last_token_chunk_is_read_by_kvlab_not_by_vllm(server: ScriptedServer) -> None:
     script = Script(tokens_per_chunk=2, usage_on_last_chunk=True)
-    kvlab = kvlab_bench(server, script)
+    kvlab, vllm = paired(server, script, {}, {})
     assert kvlab["output_tokens_counted_by"] == ["usage"]
     assert_truth(kvlab, script)
     # vLLM's client looks for usage only in a chunk without choices: it finds none, and (with no tokenizer to fall
     # back on) has no output count and so no TPOT.
-    vllm = vllm_bench(server, script)
     assert vllm["output_lens"] == [None] * N_PROMPTS and math.isnan(vllm["mean_tpot_ms"])
     assert vllm["mean_itl_ms"] == pytest.approx(kvlab["mean_itl_ms"], rel=RTOL)
 
 
 def test_without_usage_or_tokenizer_tokens_are_counted_as_chunks(server: ScriptedServer) -> None:
     script = Script(tokens_per_chunk=2, usage=False)
-    kvlab = kvlab_bench(server, script)
+    (kvlab,) = paired(server, script, {})
     assert kvlab["output_tokens_counted_by"] == ["chunks"] and kvlab["output_lens"] == [script.chunks] * N_PROMPTS
     # A chunk is taken for one token, so TPOT is the chunk gap: twice the truth at two tokens a chunk.
     assert kvlab["mean_tpot_ms"] == pytest.approx(script.itl_ms, rel=RTOL)
@@ -199,12 +205,12 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory):
 def test_two_tokens_a_chunk_without_usage_are_counted_by_the_tokenizer(server: ScriptedServer, tokenizer) -> None:
     script = Script(tokens_per_chunk=2, usage=False)
     prompts = random_prompts(N_PROMPTS, 16, script.n_tokens, tokenizer=tokenizer)
-    kvlab = kvlab_bench(server, script, RequestOptions(tokenizer=tokenizer), prompts)
+    kvlab_args = {"options": RequestOptions(tokenizer=tokenizer), "prompts": prompts}
+    kvlab, vllm = paired(server, script, kvlab_args, {"tokenizer": tokenizer})
     assert kvlab["output_tokens_counted_by"] == ["tokenizer"]
     assert_truth(kvlab, script)
-    # With a tokenizer the prompts are exact: the server saw 16 token ids per request.
-    assert [len(b["prompt"]) for b in server.bodies()] == [16] * (N_PROMPTS + 1)  # and the warm-up's
-    vllm = vllm_bench(server, script, tokenizer=tokenizer)
+    # With a tokenizer the prompts are exact: the server saw 16 token ids in each of kvlab's requests.
+    assert [len(b["prompt"]) for b in server.bodies() if isinstance(b["prompt"], list)] == [16] * (N_PROMPTS + 1)
     assert vllm["output_lens"] == [script.n_tokens] * N_PROMPTS
     assert_agree(kvlab, vllm)
 
