@@ -485,7 +485,8 @@ def cmd_bench_endpoint(args: argparse.Namespace) -> int:
         f"{url}{ENDPOINT_TYPES[endpoint_type]}, model {args.model}: "
         f"{n_prompts if not args.trace else 'trace'} requests per run, after one untimed warm-up request"
     )
-    for line in _endpoint_notes(facts, args.tokenizer, {c for r in results for c in r["output_tokens_counted_by"]}):
+    counted_by = {c for r in results for c in r["output_tokens_counted_by"]}
+    for line in _endpoint_notes(facts.tokens_per_char, args.tokenizer, counted_by):
         print(line)
     header = (
         f"{'context':>8}  {'done':>5}  {'TTFT p50':>9}  {'TPOT p50':>9}  {'TPOT p99':>9}  {'ITL p50':>8}  {'tok/s':>7}"
@@ -518,13 +519,14 @@ def cmd_bench_endpoint(args: argparse.Namespace) -> int:
     return 0 if any(r["completed"] for r in results) else 1  # a run where nothing completed measured nothing
 
 
-def _endpoint_notes(facts, tokenizer: str | None, counted_by: set[str]) -> list[str]:
-    """What ``kvlab bench --endpoint`` could and could not count exactly, in words, for stdout."""
+def _endpoint_notes(tokens_per_char: float | None, tokenizer: str | None, counted_by: set[str]) -> list[str]:
+    """What ``kvlab bench --endpoint`` could and could not count exactly, in words, for stdout. ``tokens_per_char``:
+    the server's, as its probe requests measured them (``None``: it reported no usage)."""
     if tokenizer:
         prompts = f"prompts: words, exactly --input-len tokens of {tokenizer}"
-    elif facts.tokens_per_char:
+    elif tokens_per_char:
         prompts = (
-            f"prompts: words, about --input-len tokens: {1 / facts.tokens_per_char:.2f} characters per token, "
+            f"prompts: words, about --input-len tokens: {1 / tokens_per_char:.2f} characters per token, "
             "measured from the server's usage.prompt_tokens on two probe requests (--tokenizer makes it exact)"
         )
     else:
