@@ -451,6 +451,7 @@ def cmd_bench_endpoint(args: argparse.Namespace) -> int:
         facts = measure_prompt_tokens(url, args.model, request)
         options = {"max_concurrency": concurrency, "request_rate": rate, "options": request, "facts": facts}
         if args.contexts:
+            facts.require_fit(_contexts(args), output_len, "--contexts")
             results = sweep_contexts(url, args.model, _contexts(args), n_prompts, output_len, **options)
         else:
             if args.trace:
@@ -461,6 +462,7 @@ def cmd_bench_endpoint(args: argparse.Namespace) -> int:
                     if args.input_len
                     else facts.default_input_len(output_len, exact=tokenizer is not None)
                 )
+                facts.require_fit([input_len], output_len, "--input-len")
                 prompts = random_prompts(n_prompts, input_len, output_len, tokenizer=tokenizer)
             results = [run_benchmark(url, args.model, prompts, **options)]
     except ValueError as e:

@@ -368,6 +368,18 @@ class ServerFacts:
             )
         return min(VLLM_DEFAULT_INPUT_LEN, room)
 
+    def require_fit(self, input_lens: Sequence[int], output_len: int, name: str) -> None:
+        """Raise ``ValueError`` naming ``name`` where a prompt of ``input_lens`` and ``output_len`` tokens would
+        exceed the served context (when ``/v1/models`` gives it), instead of a run of refused requests."""
+        if self.max_model_len is None:
+            return
+        too_long = [n for n in input_lens if n + output_len > self.max_model_len]
+        if too_long:
+            raise ValueError(
+                f"{name}: {', '.join(map(str, too_long))} with --output-len {output_len}; allowed: at most "
+                f"{self.max_model_len - output_len} (the served max_model_len is {self.max_model_len})"
+            )
+
 
 async def _probe(client: httpx.AsyncClient, url: str, model: str, options: RequestOptions) -> ServerFacts:
     models = await _served_models(client, url)

@@ -298,6 +298,10 @@ def test_the_command_line_says_how_it_counted(capsys):
         streamed = [b for b in server.bodies() if b.get("stream")]
         assert streamed and all(0.8 * (600 - 8) <= len(b["prompt"].split()) <= 600 - 8 for b in streamed)
 
+        # A length the served context cannot hold is refused before any request, naming the option.
+        code, _, err = run_cli(capsys, *argv, "--output-len", "8", "--contexts", "64,1k")
+        assert code == 2 and "--contexts: 1024 with --output-len 8; allowed: at most 592" in err
+
         server.use(Script(ttft_s=0.0, gap_s=0.0, chunks=4, role_opener=True))
         code, out, _ = run_cli(capsys, *argv, "--backend", "openai-chat", "--ignore-eos", "--input-len", "16")
         assert code == 0 and "counted by the server's usage" in out and "/v1/chat/completions" in out
