@@ -58,6 +58,10 @@ ENDPOINT_FLAGS = (
     "--input-len",
     "--output-len",
     "--trace",
+    "--endpoint-type",
+    "--backend",
+    "--tokenizer",
+    "--ignore-eos",
     "--gpu",
     "--bandwidth",
     "--model-preset",
@@ -487,12 +491,37 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_bench_endpoint(args: argparse.Namespace) -> int:
     """``kvlab bench --endpoint URL --model NAME``: vLLM's ``bench serve`` measurement of any OpenAI-compatible
-    server, one run (``--input-len`` or ``--trace``) or a sweep over ``--contexts``; with ``--gpu`` and
-    ``--model-preset``, each context's median TPOT beside ``kvlab predict``'s."""
-    from kvlab.endpoint import random_prompts, read_trace, run_benchmark, sweep_contexts
+    server, one run (``--input-len``, ``--trace``, or by default an input that fits the served context) or a sweep
+    over ``--contexts``; with ``--gpu`` and ``--model-preset``, each context's median TPOT beside ``kvlab
+    predict``'s."""
+    from kvlab.endpoint import (
+        BACKENDS,
+        ENDPOINT_TYPES,
+        EndpointError,
+        RequestOptions,
+        base_url,
+        load_tokenizer,
+        measure_prompt_tokens,
+        random_prompts,
+        read_trace,
+        run_benchmark,
+        sweep_contexts,
+    )
 
     if not args.model:
         raise UsageError("--model: missing; allowed: the model name the server serves (GET /v1/models lists them)")
+    url, url_type = base_url(args.endpoint)
+    if args.endpoint_type is not None and args.endpoint_type not in ENDPOINT_TYPES:
+        raise UsageError(f"--endpoint-type: {args.endpoint_type!r}; allowed: {', '.join(ENDPOINT_TYPES)}")
+    if args.backend is not None and args.backend not in BACKENDS:
+        raise UsageError(f"--backend: {args.backend!r}; allowed: {', '.join(BACKENDS)} (vLLM's names)")
+    named = {t for t in (args.endpoint_type, BACKENDS.get(args.backend), url_type) if t}
+    if len(named) > 1:
+        raise UsageError(
+            f"--endpoint-type, --backend, --endpoint: they name different endpoints ({', '.join(sorted(named))}); "
+            "allowed: one endpoint type"
+        )
+    endpoint_type = named.pop() if named else "completions"
     n_prompts = _positive_int(args.num_prompts or "8", "--num-prompts")
     output_len = _positive_int(args.output_len or "64", "--output-len")
     concurrency = _positive_int(args.max_concurrency, "--max-concurrency") if args.max_concurrency else None
@@ -509,19 +538,31 @@ def cmd_bench_endpoint(args: argparse.Namespace) -> int:
         raise UsageError(
             "--trace: its requests set their own lengths; allowed: --trace alone, or --input-len, or --contexts"
         )
-    options = {"max_concurrency": concurrency, "request_rate": rate}
     try:
-        if args.trace or args.input_len:
-            prompts = (
-                read_trace(args.trace)
-                if args.trace
-                else random_prompts(n_prompts, parse_tokens(args.input_len, "--input-len"), output_len)
-            )
-            results = [run_benchmark(args.endpoint, args.model, prompts, **options)]
+        tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+        request = RequestOptions(endpoint_type, bool(args.ignore_eos), tokenizer)
+        facts = measure_prompt_tokens(url, args.model, request)
+        options = {"max_concurrency": concurrency, "request_rate": rate, "options": request, "facts": facts}
+        if args.contexts:
+            facts.require_fit(_contexts(args), output_len, "--contexts")
+            results = sweep_contexts(url, args.model, _contexts(args), n_prompts, output_len, **options)
         else:
-            results = sweep_contexts(args.endpoint, args.model, _contexts(args), n_prompts, output_len, **options)
+            if args.trace:
+                prompts = read_trace(args.trace, tokenizer)
+            else:
+                input_len = (
+                    parse_tokens(args.input_len, "--input-len")
+                    if args.input_len
+                    else facts.default_input_len(output_len, exact=tokenizer is not None)
+                )
+                facts.require_fit([input_len], output_len, "--input-len")
+                prompts = random_prompts(n_prompts, input_len, output_len, tokenizer=tokenizer)
+            results = [run_benchmark(url, args.model, prompts, **options)]
     except ValueError as e:
         raise UsageError(str(e)) from None
+    except EndpointError as e:
+        print(f"kvlab bench: {url}: {e}", file=sys.stderr)
+        return 1
     predicted = None
     if hardware:
         cfg = _usage(get_model, args.model_preset, "--model-preset")
@@ -535,7 +576,13 @@ def cmd_bench_endpoint(args: argparse.Namespace) -> int:
             run_predict(cfg, min(r["input_lens"][0] + output_len // 2, cfg.max_seq_len), bandwidth, batch)
             for r in results
         ]
-    print(f"{args.endpoint}, model {args.model}: {n_prompts if not args.trace else 'trace'} requests per run")
+    print(
+        f"{url}{ENDPOINT_TYPES[endpoint_type]}, model {args.model}: "
+        f"{n_prompts if not args.trace else 'trace'} requests per run, after one untimed warm-up request"
+    )
+    counted_by = {c for r in results for c in r["output_tokens_counted_by"]}
+    for line in _endpoint_notes(facts.tokens_per_char, args.tokenizer, counted_by):
+        print(line)
     header = (
         f"{'context':>8}  {'done':>5}  {'TTFT p50':>9}  {'TPOT p50':>9}  {'TPOT p99':>9}  {'ITL p50':>8}  {'tok/s':>7}"
     )
@@ -565,6 +612,32 @@ def cmd_bench_endpoint(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(results[0] if len(results) == 1 else results, f, indent=2)
     return 0 if any(r["completed"] for r in results) else 1  # a run where nothing completed measured nothing
+
+
+def _endpoint_notes(tokens_per_char: float | None, tokenizer: str | None, counted_by: set[str]) -> list[str]:
+    """What ``kvlab bench --endpoint`` could and could not count exactly, in words, for stdout. ``tokens_per_char``:
+    the server's, as its probe requests measured them (``None``: it reported no usage)."""
+    if tokenizer:
+        prompts = f"prompts: words, exactly --input-len tokens of {tokenizer}"
+    elif tokens_per_char:
+        prompts = (
+            f"prompts: words, about --input-len tokens: {1 / tokens_per_char:.2f} characters per token, "
+            "measured from the server's usage.prompt_tokens on two probe requests (--tokenizer makes it exact)"
+        )
+    else:
+        prompts = (
+            "prompts: words, about --input-len tokens at an assumed 4 characters per token (the server reported no "
+            "usage; --tokenizer makes it exact)"
+        )
+    notes = [prompts + "; input lengths below are the server's usage.prompt_tokens where it reports them"]
+    sources = {"usage": "the server's usage", "tokenizer": f"{tokenizer}'s count of the streamed text"}
+    notes += [f"output tokens: counted by {sources[c]}" for c in sorted(counted_by - {"chunks"})]
+    if "chunks" in counted_by:
+        notes.append(
+            "output tokens: COUNTED AS CHUNKS (the server sent no usage and no --tokenizer was given): each streamed "
+            "chunk counts as one token, so TPOT is overstated where a chunk carries several"
+        )
+    return notes
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -759,12 +832,27 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", help="write the results as JSON here")
     b.add_argument("--plot", help="write a measured-vs-predicted plot here (PNG)")
     server = b.add_argument_group("a server instead of this machine (vLLM's bench serve timing)")
-    server.add_argument("--endpoint", help="an OpenAI-compatible server's root URL, e.g. http://127.0.0.1:8000")
+    server.add_argument(
+        "--endpoint", help="an OpenAI-compatible server's root URL or its /v1, e.g. http://127.0.0.1:8000/v1"
+    )
+    server.add_argument("--endpoint-type", help="completions (/v1/completions, the default) or chat")
+    server.add_argument("--backend", help="vLLM's name for it: openai or vllm (completions), openai-chat (chat)")
+    server.add_argument(
+        "--tokenizer",
+        help="a Hugging Face tokenizer name or folder: exact prompt lengths, and output counts where the server "
+        "sends no usage",
+    )
+    server.add_argument(
+        "--ignore-eos", action="store_true", default=None, help="ask the server to generate every --output-len token"
+    )
     server.add_argument("--model", help="the model name the server serves")
     server.add_argument("--num-prompts", help="requests per run (default 8)")
     server.add_argument("--max-concurrency", help="requests in flight at most (default: all)")
     server.add_argument("--request-rate", help="Poisson arrivals per second (default inf: all at once)")
-    server.add_argument("--input-len", help="one run of prompts this long instead of a --contexts sweep")
+    server.add_argument(
+        "--input-len",
+        help="prompt tokens per request (default: vLLM's 1024, or less to fit the max_model_len /v1/models gives)",
+    )
     server.add_argument("--output-len", help="tokens each request asks for (default 64)")
     server.add_argument("--trace", help="a JSON-lines file of {input_len, output_len} requests")
     server.add_argument("--gpu", help="with --model-preset: print kvlab predict's TPOT beside the measured one")

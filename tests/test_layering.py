@@ -22,7 +22,7 @@ import kvlab
 
 LEVELS: tuple[tuple[str, ...], ...] = (
     ("kvlab", "kvlab.validation", "kvlab.dtypes", "kvlab.config", "kvlab.presets", "kvlab.published",
-     "kvlab.roofline", "kvlab.data"),
+     "kvlab.roofline", "kvlab.stats", "kvlab.data"),
     ("kvlab.device", "kvlab.timing", "kvlab.tokenizer", "kvlab.sampling"),
     ("kvlab.layers",),
     ("kvlab.kernels", "kvlab.triton_kernels"),
