@@ -516,7 +516,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     max_batch = _positive_int(args.max_batch, "--max-batch")
     max_waiting = _positive_int(args.max_waiting, "--max-waiting")
     try:
-        model, name, bos = load_model(args.model, args.device)
+        model, name, bos, eos = load_model(args.model, args.device)
     except (ValueError, OSError, RuntimeError) as e:
         raise UsageError(f"--model: {args.model}: {e}") from None
     # By default the pool holds max_batch requests at the model's full context.
@@ -536,7 +536,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         prefix_caching=not args.no_prefix_caching,
     )
     print(f"kvlab serve: {name} on http://{args.host}:{port} ({blocks} blocks of {block_size}, batch {max_batch})")
-    run_server(Server(engine, name, bos, max_waiting), args.host, port)
+    run_server(Server(engine, name, bos, max_waiting, eos), args.host, port)
     return 0
 
 
