@@ -77,7 +77,7 @@ from starlette.routing import Route
 from kvlab.engine import Engine, OnToken, Request
 from kvlab.model import Decoder
 from kvlab.sampling import SamplingParams, TokenLogprobs
-from kvlab.tokenizer import VOCAB_SIZE, decode, encode
+from kvlab.tokenizer import EOT, VOCAB_SIZE, decode, encode
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs (vLLM's default max_logprobs too)

@@ -110,8 +110,11 @@ def test_health_and_models(served: tuple[Server, str]) -> None:
         client.models.retrieve("gpt-4")
 
 
-@pytest.mark.parametrize(("method", "path", "status"), [("GET", "/v1/nowhere", 404), ("GET", "/v1/completions", 405),
-                                                        ("POST", "/v1/models", 405), ("DELETE", "/health", 405)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [("GET", "/v1/nowhere", 404), ("GET", "/v1/completions", 405), ("POST", "/v1/models", 405),
+     ("DELETE", "/health", 405)],
+)  # fmt: skip
 def test_unknown_routes_and_methods_get_openais_error_body(
     served: tuple[Server, str], method: str, path: str, status: int
 ) -> None:
