@@ -485,7 +485,7 @@ class Server:
         if body.get("best_of") not in (None, n):
             raise _refuse("best_of", body["best_of"], f"null or n ({n}): kvlab serve returns every choice it draws")
         stop = body.get("stop")
-        stops = (stop,) if isinstance(stop, str) else stop
+        stops = [stop] if isinstance(stop, str) else stop
         if stops is not None and not (isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)):
             raise _refuse("stop", stop, "a non-empty string, a list of them, or null")
         stops = tuple(_text(s, "stop") for s in stops or ())
