@@ -30,7 +30,8 @@ always completes and ``PoolExhaustedError`` never escapes it.
 
 Online (``kvlab serve``): ``start()``, then ``add(request, on_token)`` whenever a request comes in (it arrives at
 the clock's now), ``step()`` while ``busy``, and ``cancel(handle)`` for a client that went away (its blocks are
-freed at once). ``on_token`` receives each token as it is sampled. ``run`` is a loop over these same calls.
+freed at once). ``on_token`` receives each token as it is sampled (with its logprobs, when
+the request's ``SamplingParams`` ask for them). ``run`` is a loop over these same calls.
 
 Clocks: ``"real"`` reads ``kvlab.timing.Stopwatch`` (arrivals then wait in real time). ``SimulatedClock`` charges
 each model call the byte model's time instead, so a trace plays at the scale of any model and GPU (its formula is

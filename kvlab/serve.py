@@ -364,7 +364,6 @@ class _Piece:
     asked for, or for a stop token), and the finish reason on the choice's last piece."""
 
     text: str
-    token: int
     logprobs: TokenLogprobs | None
     finish: str | None
 
@@ -597,18 +596,19 @@ class Server:
                 n += 1
                 if token in sampling.stop_token_ids:  # not written: its text is no part of the answer
                     piece, hit = stop.push(text.flush())
-                    yield _Piece(piece + ("" if hit else stop.flush()), token, None, "stop")
+                    yield _Piece(piece + ("" if hit else stop.flush()), None, "stop")
                     return
                 last = n == max_tokens
                 piece, hit = stop.push(text.push(token) + (text.flush() if last else ""))
                 if hit or last:
-                    yield _Piece(piece + ("" if hit else stop.flush()), token, logprobs, "stop" if hit else "length")
+                    yield _Piece(piece + ("" if hit else stop.flush()), logprobs, "stop" if hit else "length")
                     return
-                yield _Piece(piece, token, logprobs, None)
+                yield _Piece(piece, logprobs, None)
 
     @staticmethod
     def _logprobs(pieces: list[_Piece], chat: bool, offset: int) -> dict | None:
-        """OpenAI's logprobs object for ``pieces`` (completions: text offsets from ``offset``)."""
+        """OpenAI's logprobs object for ``pieces`` (completions: each token's offset in the choice's text, counted
+        from ``offset``, where the text written with it starts)."""
         entries = [p.logprobs for p in pieces if p.logprobs is not None]
         if chat:
 
@@ -618,9 +618,10 @@ class Server:
             content = [one(e.token, e.logprob) | {"top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
             return {"content": content}
         offsets = []
-        for e in entries:
-            offsets.append(offset)
-            offset += len(token_text(e.token))
+        for p in pieces:
+            if p.logprobs is not None:
+                offsets.append(offset)
+            offset += len(p.text)
         return {
             "tokens": [token_text(e.token) for e in entries],
             "token_logprobs": [e.logprob for e in entries],
@@ -701,7 +702,7 @@ class Server:
                     used += 1
                     text = piece.text if started[j] else echoes[j] + piece.text
                     lp = self._logprobs([piece], chat, offsets[j]) if logprobs else None
-                    offsets[j] += len(token_text(piece.token)) if piece.logprobs else 0
+                    offsets[j] += len(piece.text)
                     delta = {"content": text} if started[j] else {"role": "assistant", "content": text}
                     started[j] = True
                     choice = {"index": jobs[j][0]} | ({"delta": delta} if chat else {"text": text})

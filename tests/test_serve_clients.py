@@ -173,14 +173,19 @@ def test_logprobs_streamed_and_not(served: tuple[Server, str], client: openai.Op
         want = torch.log_softmax(model(torch.tensor([prompt + ids]))[0, len(prompt) - 1 : -1].float(), -1)
     chosen = want[range(5), ids]
 
-    out = client.completions.create(model=NAME, prompt=prompt, max_tokens=5, logprobs=3).choices[0].logprobs
+    whole = client.completions.create(model=NAME, prompt=prompt, max_tokens=5, logprobs=3).choices[0]
+    out = whole.logprobs
     assert out.tokens == [token_text(t) for t in ids]
+    # each token's offset is where the text written with it starts: a held-back byte's text lands with a later token
+    assert out.text_offset[0] == 0 and out.text_offset == sorted(out.text_offset)
+    assert out.text_offset[-1] <= len(whole.text)
     torch.testing.assert_close(torch.tensor(out.token_logprobs), chosen, rtol=1e-4, atol=1e-4)
     assert all(len(top) == 3 and max(top.values()) == pytest.approx(lp, abs=1e-4)  # greedy: the chosen is the top
                for top, lp in zip(out.top_logprobs, out.token_logprobs, strict=True))  # fmt: skip
-    stream = client.completions.create(model=NAME, prompt=prompt, max_tokens=5, logprobs=3, stream=True)
+    stream = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=5, logprobs=3, stream=True))
     streamed = [lp for c in stream for lp in c.choices[0].logprobs.token_logprobs]
     torch.testing.assert_close(torch.tensor(streamed), chosen, rtol=1e-4, atol=1e-4)
+    assert [o for c in stream for o in c.choices[0].logprobs.text_offset] == out.text_offset
 
     messages = [{"role": "user", "content": "hi"}]
     chat = dict(model=NAME, messages=messages, max_tokens=4, logprobs=True, top_logprobs=2)
