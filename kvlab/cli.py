@@ -678,7 +678,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--blocks", help="KV blocks in the pool (default: --max-batch requests at the full context)")
     s.add_argument("--block-size", default="16", help="tokens per block (default 16)")
     s.add_argument("--max-batch", default="8", help="requests decoded together at most (default 8)")
-    s.add_argument("--max-waiting", default="64", help="requests waiting for a first token before 429 (default 64)")
+    s.add_argument("--max-waiting", default="64", help="requests waiting to be admitted before 429 (default 64)")
     s.set_defaults(func=cmd_serve)
 
     sub.add_parser("models", help="list model presets").set_defaults(func=cmd_models)
