@@ -682,7 +682,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     max_batch = _positive_int(args.max_batch, "--max-batch")
     max_waiting = _positive_int(args.max_waiting, "--max-waiting")
     try:
-        model, name, bos = load_model(args.model, args.device)
+        model, name, bos, eos = load_model(args.model, args.device)
     except (ValueError, OSError, RuntimeError) as e:
         raise UsageError(f"--model: {args.model}: {e}") from None
     # By default the pool holds max_batch requests at the model's full context.
@@ -702,7 +702,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         prefix_caching=not args.no_prefix_caching,
     )
     print(f"kvlab serve: {name} on http://{args.host}:{port} ({blocks} blocks of {block_size}, batch {max_batch})")
-    run_server(Server(engine, name, bos, max_waiting), args.host, port)
+    run_server(Server(engine, name, bos, max_waiting, eos), args.host, port)
     return 0
 
 
@@ -884,7 +884,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--blocks", help="KV blocks in the pool (default: --max-batch requests at the full context)")
     s.add_argument("--block-size", default="16", help="tokens per block (default 16)")
     s.add_argument("--max-batch", default="8", help="requests decoded together at most (default 8)")
-    s.add_argument("--max-waiting", default="64", help="requests waiting for a first token before 429 (default 64)")
+    s.add_argument("--max-waiting", default="64", help="requests waiting to be admitted before 429 (default 64)")
     s.set_defaults(func=cmd_serve)
 
     sub.add_parser("models", help="list model presets").set_defaults(func=cmd_models)

@@ -1,4 +1,5 @@
-"""A small continuous-batching engine on the paged cache: requests in, greedy tokens and vLLM's latencies out.
+"""A small continuous-batching engine on the paged cache: requests in, tokens (greedy or sampled) and vLLM's
+latencies out.
 
     engine = Engine(model, n_blocks=256, block_size=16, max_batch=8)
     report = engine.run([Request(prompt, 32), Request(other, 16, arrival_s=0.5)])
@@ -11,7 +12,8 @@ A step, as vLLM's scheduler runs it (nano-vllm's reads the same way):
    waiting ones are admitted while the batch is under ``max_batch`` and the pool's free blocks, less those the
    admitted prefills will still take, hold the rest of the prompt (its prefix hits need none) and one decode.
 2. One decode call over every running request whose prompt is done: each stores its last token and samples the
-   next (greedy), at its own position (a ragged batch).
+   next (greedy, or as its ``SamplingParams`` say, from its own seeded generator), at its own position (a ragged
+   batch). A request ends at ``max_new_tokens`` or at a token of its ``stop_token_ids``.
 3. Prefill chunks, oldest request first, with what is left of ``token_budget`` (tokens per step, decodes
    counted first): a request whose prompt completes samples its first token from the chunk's last logits.
 
@@ -28,7 +30,8 @@ always completes and ``PoolExhaustedError`` never escapes it.
 
 Online (``kvlab serve``): ``start()``, then ``add(request, on_token)`` whenever a request comes in (it arrives at
 the clock's now), ``step()`` while ``busy``, and ``cancel(handle)`` for a client that went away (its blocks are
-freed at once). ``on_token`` receives each token as it is sampled. ``run`` is a loop over these same calls.
+freed at once). ``on_token`` receives each token as it is sampled (with its logprobs, when
+the request's ``SamplingParams`` ask for them). ``run`` is a loop over these same calls.
 
 Clocks: ``"real"`` reads ``kvlab.timing.Stopwatch`` (arrivals then wait in real time). ``SimulatedClock`` charges
 each model call the byte model's time instead, so a trace plays at the scale of any model and GPU (its formula is
@@ -64,20 +67,24 @@ from kvlab.roofline import (
     kv_bytes_per_token,
     weight_bytes_read,
 )
+from kvlab.sampling import SamplingParams, TokenLogprobs, choose
 from kvlab.timing import Stopwatch
 from kvlab.validation import require_int
 
 FollowUp = Callable[[int, list[int], float], Sequence["Request"]]  # Engine.run's closed loop: (index, ids, s)
+OnToken = Callable[[int, TokenLogprobs | None], None]  # a token as it is sampled, and its logprobs if asked for
 
 
 # -- requests and results ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Request:
-    """A prompt (token ids), how many tokens to generate (greedy), and when it arrives (seconds after the start)."""
+    """A prompt (token ids), how many tokens to generate at most, when it arrives (seconds after the start), and how
+    its tokens are picked: greedily without ``sampling``, else by ``SamplingParams`` (which may also stop it early)."""
 
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
     arrival_s: float = 0.0
+    sampling: SamplingParams | None = None
 
     def __post_init__(self) -> None:
         ids = self.prompt_ids.tolist() if isinstance(self.prompt_ids, torch.Tensor) else self.prompt_ids
@@ -93,6 +100,8 @@ class Request:
             raise ValueError(f"arrival_s: {self.arrival_s!r}; allowed: a finite number of seconds >= 0")
         if not 0 <= self.arrival_s < math.inf:
             raise ValueError(f"arrival_s: {self.arrival_s!r}; allowed: a finite number of seconds >= 0")
+        if self.sampling is not None and not isinstance(self.sampling, SamplingParams):
+            raise ValueError(f"sampling: {self.sampling!r}; allowed: None or a kvlab.sampling.SamplingParams")
         object.__setattr__(self, "prompt_ids", tuple(map(int, ids)))
 
 
@@ -290,12 +299,15 @@ class _Live:
     index: int
     request: Request
     arrival: float  # clock seconds: the request's arrival_s in a run, the clock at ``add`` online
-    on_token: Callable[[int], None] | None = None
+    on_token: OnToken | None = None
     output: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     seq_id: int | None = None  # None: waiting (not yet admitted, preempted) or finished
     todo: list[int] = field(default_factory=list)  # tokens still to prefill
     preemptions: int = 0
+    admitted: bool = False  # it has left the waiting queue once (a preempted request stays admitted)
+    stopped: bool = False  # it sampled one of its stop tokens
+    generator: torch.Generator | None = None  # its own random stream, when it samples
 
     @property
     def tokens(self) -> list[int]:
@@ -308,11 +320,11 @@ class _Live:
 
     @property
     def done(self) -> bool:
-        return len(self.output) == self.request.max_new_tokens
+        return self.stopped or len(self.output) == self.request.max_new_tokens
 
 
 class Engine:
-    """Continuous batching of greedy requests over one ``PagedKVCache`` (module docstring: the step and the rules).
+    """Continuous batching of requests over one ``PagedKVCache`` (module docstring: the step and the rules).
 
     ``max_batch``: running requests at most. ``token_budget``: tokens one step computes (decodes, then prefill
     chunks). ``prefix_caching``: reuse the K/V of cached prompt blocks. ``clock``: ``"real"``, ``"simulated"``
@@ -402,14 +414,15 @@ class Engine:
         self._hits = self._preemptions = self._max_running = self._peak_blocks = self._steps = 0
         self.clock.start()
 
-    def add(self, request: Request, on_token: Callable[[int], None] | None = None) -> _Live:
-        """Queue ``request``, arriving now; ``on_token(id)`` gets each token as it is sampled (from inside ``step``).
+    def add(self, request: Request, on_token: OnToken | None = None) -> _Live:
+        """Queue ``request``, arriving now; ``on_token(id, logprobs)`` gets each token as it is sampled (from inside
+        ``step``; ``logprobs`` is None unless the request's sampling asks for them).
 
         Returns the handle ``cancel`` takes. Raises ``ValueError`` naming the field if the engine cannot serve it.
         """
         if not isinstance(request, Request):
             raise ValueError(f"request: {request!r}; allowed: a kvlab.engine.Request")
-        x = _Live(-1, request, self.clock.now(), on_token)
+        x = self._live(-1, request, self.clock.now(), on_token)
         error = self._reject(x)
         if error:
             raise ValueError(error)
@@ -455,7 +468,7 @@ class Engine:
         """
         if any(not isinstance(r, Request) for r in requests):
             raise ValueError(f"requests: {list(requests)!r}; allowed: a sequence of kvlab.engine.Request")
-        live = [_Live(i, r, r.arrival_s) for i, r in enumerate(requests)]
+        live = [self._live(i, r, r.arrival_s) for i, r in enumerate(requests)]
         errors = {x.index: self._reject(x) for x in live}
         # Latest first, so the next to arrive pops off the end (ties: the lower index first, as they were given).
         arrivals = sorted((x for x in live if errors[x.index] is None), key=lambda x: x.arrival)[::-1]
@@ -497,9 +510,13 @@ class Engine:
                 f"follow_up: a request arriving at {request.arrival_s} s, before the answer it follows "
                 f"({now} s); allowed: arrival_s >= the finish time it was given"
             )
-        x = _Live(index, request, request.arrival_s)
+        x = self._live(index, request, request.arrival_s)
         errors[index] = self._reject(x)
         return x
+
+    def _live(self, index: int, request: Request, arrival: float, on_token: OnToken | None = None) -> _Live:
+        gen = None if request.sampling is None else request.sampling.generator(self.model.device)
+        return _Live(index, request, arrival, on_token, generator=gen)
 
     def _reject(self, x: _Live) -> str | None:
         """Why the engine cannot serve this request (None if it can)."""
@@ -540,6 +557,7 @@ class Engine:
             self._waiting.popleft()
             x.seq_id, n_cached = self.cache.new_sequence(tokens if self.prefix_caching else ())
             x.todo = tokens[n_cached:]
+            x.admitted = True
             self._hits += n_cached
             self._running.append(x)
 
@@ -585,8 +603,8 @@ class Engine:
             self.cache.feed_tokens([[t] for t in last])
         logits = self.model.decode_step(torch.tensor(last, device=self.model.device), self.cache)
         self._note_blocks()
-        for x, token in zip(rows, logits.argmax(-1).tolist(), strict=True):
-            self._sample(x, token, sampled)
+        for x, row, token in zip(rows, logits, logits.argmax(-1).tolist(), strict=True):
+            self._sample(x, row, token, sampled)
         return [ModelCall(tuple((1, c) for c in cached))]
 
     def _prefill(self, x: _Live, n: int, sampled: list[_Live]) -> list[ModelCall]:
@@ -603,13 +621,18 @@ class Engine:
         logits = self.model.prefill(torch.tensor([chunk], device=self.model.device), self.cache)
         self._note_blocks()
         if not x.todo:
-            self._sample(x, int(logits[0, -1].argmax()), sampled)
+            self._sample(x, logits[0, -1], int(logits[0, -1].argmax()), sampled)
         return [ModelCall(((n, start),))]
 
     def _note_blocks(self) -> None:
         self._peak_blocks = max(self._peak_blocks, self.n_blocks - self.cache.pool.n_free)
 
-    def _sample(self, x: _Live, token: int, sampled: list[_Live]) -> None:
+    def _sample(self, x: _Live, logits: torch.Tensor, argmax: int, sampled: list[_Live]) -> None:
+        """Pick ``x``'s next token from its ``logits`` ``[V]``: ``argmax`` (greedy), or as its sampling says."""
+        token, logprobs = argmax, None
+        if x.request.sampling is not None:
+            token, logprobs = choose(logits, x.request.sampling, x.generator, argmax)
+            x.stopped = token in x.request.sampling.stop_token_ids
         x.output.append(token)
         sampled.append(x)
         if x.done:
@@ -618,4 +641,4 @@ class Engine:
             x.seq_id = None
             self._finished.append(x)
         if x.on_token is not None:  # after the bookkeeping, so a callback that cancels finds a consistent engine
-            x.on_token(token)
+            x.on_token(token, logprobs)

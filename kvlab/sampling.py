@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
 
@@ -34,3 +37,71 @@ def sample_next(
         logits = logits.masked_fill(drop, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A chosen token's log-probability under the model (before temperature and truncation), and the ``top``
+    most likely tokens' ``(id, logprob)``, most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one engine request picks its tokens.
+
+    ``temperature`` 0 is greedy (``top_k``, ``top_p`` and ``seed`` then change nothing); above 0 each token is drawn
+    from ``softmax(logits / temperature)`` cut by ``top_k`` and ``top_p`` (``sample_next``), with a generator seeded
+    by ``seed`` (None: a fresh random seed), so a seeded request draws the same tokens whatever else is batched with
+    it. A token in ``stop_token_ids`` ends the request (it is still an output token). ``logprobs``: None, or how
+    many alternatives to report beside each chosen token's log-probability (0: the chosen one only).
+    """
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop_token_ids: frozenset[int] = frozenset()
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature: {self.temperature!r}; allowed: a finite number >= 0 (0 is greedy)")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+            raise ValueError(f"top_k: {self.top_k!r}; allowed: an integer >= 1, or None")
+        if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p: {self.top_p!r}; allowed: a number in (0, 1], or None")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise ValueError(f"logprobs: {self.logprobs!r}; allowed: an integer >= 0, or None")
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        """The request's own random stream (None when greedy)."""
+        if self.temperature == 0:
+            return None
+        gen = torch.Generator(device=device)
+        if self.seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(self.seed % 2**64)  # any integer a client sends maps to a valid seed
+        return gen
+
+
+def choose(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None, argmax: int
+) -> tuple[int, TokenLogprobs | None]:
+    """One request's next token from its ``logits`` ``[V]`` (``argmax``: their argmax, already computed for the
+    batch), and its log-probabilities if ``params.logprobs`` asks for them."""
+    token = (
+        argmax
+        if params.temperature == 0
+        else int(sample_next(logits[None], params.temperature, params.top_k, params.top_p, generator)[0])
+    )
+    if params.logprobs is None:
+        return token, None
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(logp, min(params.logprobs, logp.shape[-1])) if params.logprobs else None
+    pairs = () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+    return token, TokenLogprobs(token, float(logp[token]), pairs)
