@@ -23,6 +23,8 @@ import warnings
 
 import torch
 
+from kvlab.config import ModelConfig
+
 WEIGHT_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8")
 
 
@@ -36,6 +38,26 @@ def int8_weight_bytes(shape: tuple[int, int]) -> int:
     """Bytes an ``[in, out]`` weight takes as int8: one byte per weight plus one fp32 scale per output column."""
     n_in, n_out = shape
     return n_in * n_out + 4 * n_out
+
+
+def projection_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """``[in, out]`` of every matrix a decode step multiplies by, in step order: per layer QKV, output, SwiGLU's
+    gate/up and down, then the LM head (``[d_model, vocab]``, tied or not). MHA/GQA/MQA models only."""
+    if cfg.mla is not None or cfg.moe is not None:
+        raise ValueError(f"cfg: {cfg.name} has MLA or MoE; allowed: a dense model with MHA, GQA or MQA attention")
+    q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    layer = [
+        (cfg.d_model, q_dim + 2 * kv_dim),
+        (q_dim, cfg.d_model),
+        (cfg.d_model, 2 * cfg.d_ff),
+        (cfg.d_ff, cfg.d_model),
+    ]
+    return layer * cfg.n_layers + [(cfg.d_model, cfg.vocab_size)]
+
+
+def int8_step_weight_bytes(cfg: ModelConfig) -> int:
+    """Bytes of weights an int8 decode step reads: every projection and the LM head, scales included."""
+    return sum(int8_weight_bytes(shape) for shape in projection_shapes(cfg))
 
 
 class WeightFormat:

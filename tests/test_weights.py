@@ -6,9 +6,18 @@ import torch
 from torch.testing import assert_close
 
 import kvlab.weights
+from autograde import hidden
 from kvlab import Decoder
+from kvlab.breakdown import layer_weights
+from kvlab.checks import check_int8_weight_bytes
 from kvlab.roofline import weight_bytes_read
-from kvlab.weights import WeightFormat, int8_weight_bytes, quantize_int8
+from kvlab.weights import (
+    WeightFormat,
+    int8_step_weight_bytes,
+    int8_weight_bytes,
+    projection_shapes,
+    quantize_int8,
+)
 
 from .helpers import tiny_config
 
@@ -70,3 +79,24 @@ def test_weight_dtype_errors_and_half_precision_warning(monkeypatch):
         model = Decoder(tiny_config(), device="cpu", weight_dtype="fp16")
         cache = model.new_cache(1, 4)
         assert model.decode_step(torch.tensor([3]), cache).dtype == torch.float32
+
+
+@pytest.mark.parametrize("overrides", [{}, {"n_kv_heads": 1, "head_dim": 24, "tie_embeddings": True}])
+def test_projection_shapes_are_the_matrices_the_model_multiplies_by(overrides):
+    model = Decoder(tiny_config(**overrides), device="cpu")
+    matrices = [w for layer in layer_weights(model) for w in layer]
+    assert projection_shapes(model.cfg) == [tuple(w.shape) for w in matrices]
+    assert int8_step_weight_bytes(model.cfg) == sum(int8_weight_bytes(tuple(w.shape)) for w in matrices)
+
+
+def test_int8_weight_bytes_checker_passes_the_reference_and_fails_the_slips():
+    check_int8_weight_bytes(int8_step_weight_bytes)
+    hidden.check_int8_weight_bytes(int8_step_weight_bytes)
+    no_scales = lambda cfg: sum(i * o for i, o in projection_shapes(cfg))  # noqa: E731
+    scale_per_input = lambda cfg: sum(i * o + 4 * i for i, o in projection_shapes(cfg))  # noqa: E731
+    no_head = lambda cfg: int8_step_weight_bytes(cfg) - int8_weight_bytes((cfg.d_model, cfg.vocab_size))  # noqa: E731
+    for slip in (no_scales, scale_per_input, no_head):
+        with pytest.raises(AssertionError, match="int8_weight_bytes"):
+            check_int8_weight_bytes(slip)
+        with pytest.raises(AssertionError, match="int8_weight_bytes"):
+            hidden.check_int8_weight_bytes(slip)
