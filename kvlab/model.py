@@ -66,6 +66,11 @@ class Decoder(nn.Module):
         if not cfg.runnable:
             raise ValueError(f"{cfg.name}: {cfg.not_runnable_reason}")
         weight_dtype = canonical_dtype(weight_dtype, "weight_dtype", WEIGHT_DTYPES)
+        if weight_dtype == "int8" and resolve_device(device).type != "cpu":
+            raise ValueError(
+                f"weight_dtype: 'int8' on {resolve_device(device)}; allowed: int8 on the CPU (PyTorch's quantized "
+                "linear is a CPU kernel), or fp32, bf16, fp16 on any device"
+            )
         if weight_dtype != "fp32":
             if cfg.mla is not None:
                 raise ValueError(f"weight_dtype: {weight_dtype!r} with MLA; allowed: 'fp32' (MLA's weights are fp32)")
