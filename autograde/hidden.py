@@ -147,6 +147,7 @@ CASES: dict[str, tuple] = {
         _published(5_000_000_000, 131_072, 1008.0, 1, 4096, 9.1),
         _published(70_000_000_000, 327_680, 4800.0, 16, 2000, 41.0),
     ),
+    "check_int8_weight_bytes": (_GQA, _MQA_TIED, _WIDE_HEADS),
     # lesson 03
     "check_request_metrics": ((0.9, 1.0, 1.25), (0.002, 0.0031, 0.0045, 0.0062, 0.0071), (0.04,)),
     "check_percentile": (((4.0, 9.0, 1.0, 7.0), 25), ((2.5, 2.5, 8.0), 100), ((1.0, 2.0, 3.0, 4.0, 100.0), 75)),
@@ -180,6 +181,7 @@ check_decode_flops = _hidden(lesson02_roofline.check_decode_flops)
 check_prefill_flops = _hidden(lesson02_roofline.check_prefill_flops)
 check_roofline_time_ms = _hidden(lesson02_roofline.check_roofline_time_ms)
 check_achieved_fraction = _hidden(lesson02_roofline.check_achieved_fraction)
+check_int8_weight_bytes = _hidden(lesson02_roofline.check_int8_weight_bytes)
 check_request_metrics = _hidden(lesson03_measuring_tpot.check_request_metrics)
 check_percentile = _hidden(lesson03_measuring_tpot.check_percentile)
 check_fit_tpot = _hidden(lesson03_measuring_tpot.check_fit_tpot)

@@ -17,14 +17,16 @@ from kvlab.cache.base import KVCache
 from kvlab.config import ModelConfig
 from kvlab.kernels import causal_attention
 from kvlab.layers import RotaryEmbedding, apply_rope
+from kvlab.weights import WeightFormat
 
 
 class Attention(nn.Module):
     """One layer's attention: ``x`` ``[B, T, d_model]`` -> ``[B, T, d_model]``, with a cache or without one."""
 
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, weights: WeightFormat | None = None) -> None:
         super().__init__()
         self.layer = layer
+        self.weights = WeightFormat() if weights is None else weights
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.window = cfg.layer_windows[layer] if cfg.layer_windows else None
         self.scale = cfg.head_dim**-0.5
@@ -38,7 +40,7 @@ class Attention(nn.Module):
         """``cos``, ``sin``: ``[T, 1, D]`` for the new positions. Without a cache, attends causally within ``x``."""
         b, t, _ = x.shape
         qk_heads = self.n_heads + self.n_kv_heads
-        qkv = (x @ self.wqkv).view(b, t, qk_heads + self.n_kv_heads, self.head_dim)
+        qkv = self.weights.matmul(x, self.wqkv).view(b, t, qk_heads + self.n_kv_heads, self.head_dim)
         qk = apply_rope(qkv[:, :, :qk_heads], cos, sin)
         q, k, v = qk[:, :, : self.n_heads], qk[:, :, self.n_heads :], qkv[:, :, qk_heads:]
         grouped = group_queries(q, self.n_kv_heads, self.scale)
@@ -47,7 +49,7 @@ class Attention(nn.Module):
         else:
             cache.append(self.layer, k, v)
             out = cache.attend(self.layer, grouped, self.window, functools.partial(rotated, grouped, rope))
-        return ungroup(out) @ self.wo
+        return self.weights.matmul(ungroup(out), self.wo)
 
 
 def group_queries(q: torch.Tensor, n_kv_heads: int, scale: float) -> torch.Tensor:

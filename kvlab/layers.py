@@ -1,7 +1,7 @@
 """The layers a Llama-style block is built from: RMSNorm, rotary position embeddings (RoPE) and SwiGLU.
 
-Weights are stored ``[in, out]`` and applied as ``x @ W``: for the one-row activations of a decode step that
-reads each weight row contiguously (see ``kvlab.model``).
+Weights are stored ``[in, out]`` and applied through ``kvlab.weights.WeightFormat``: ``x @ W`` in the model's weight
+precision, by the kernel that reads those bytes fastest (see ``kvlab.model``).
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from kvlab.weights import WeightFormat
 
 
 class RMSNorm(nn.Module):
@@ -61,11 +63,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, d_model: int, d_ff: int) -> None:
+    def __init__(self, d_model: int, d_ff: int, weights: WeightFormat | None = None) -> None:
         super().__init__()
+        self.weights = WeightFormat() if weights is None else weights
         self.w_gate_up = nn.Parameter(torch.empty(d_model, 2 * d_ff))  # [in, gate | up]
         self.w_down = nn.Parameter(torch.empty(d_ff, d_model))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = (x @ self.w_gate_up).chunk(2, dim=-1)
-        return (F.silu(gate) * up) @ self.w_down
+        gate, up = self.weights.matmul(x, self.w_gate_up).chunk(2, dim=-1)
+        return self.weights.matmul(F.silu(gate) * up, self.w_down)

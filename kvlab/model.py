@@ -1,11 +1,11 @@
 """A Llama-style decoder (RMSNorm, RoPE, SwiGLU) whose decode step is laid out to stream its bytes.
 
-The weights of every projection are stored ``[in, out]`` and applied as ``x @ W``: for the one-row activations of
-a decode step, that reads each weight row contiguously: on a 2-core AMD EPYC it ran as fast as summing the same
-tensors, about 15 GB/s, where ``F.linear`` with ``[out, in]`` weights reached 9.5 (docs/cpu_performance.md). There,
-the one-row product ran on one thread however many torch had, and splitting it across threads did not pay on
-that (loaded) machine. Q, K and V share one matrix and so do SwiGLU's gate and up projections, so a layer is
-four matrix products and few Python calls.
+The weights of every projection are stored ``[in, out]`` and applied through ``kvlab.weights.WeightFormat``: in
+fp32, ``x @ W``, which for the one-row activations of a decode step reads each weight row contiguously (on a
+2-core AMD EPYC as fast as summing the same tensors, where ``F.linear`` on ``[out, in]`` weights was about 0.7 of
+it: docs/cpu_performance.md); ``weight_dtype="int8"`` reads a quarter of the bytes through PyTorch's quantized
+kernels. Q, K and V share one matrix and so do SwiGLU's
+gate and up projections, so a layer is four matrix products and few Python calls.
 """
 
 from __future__ import annotations
@@ -25,15 +25,16 @@ from kvlab.device import resolve_device
 from kvlab.dtypes import KV_DTYPES, canonical_dtype, to_torch
 from kvlab.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from kvlab.mla import MLAAttention
+from kvlab.weights import WEIGHT_DTYPES, WeightFormat
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, weights: WeightFormat) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg, layer) if cfg.mla is None else MLAAttention(cfg, layer)
+        self.attn = Attention(cfg, layer, weights) if cfg.mla is None else MLAAttention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, cfg.d_ff)
+        self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, weights)
 
     def forward(
         self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None
@@ -48,15 +49,36 @@ class Decoder(nn.Module):
     - ``forward(tokens)``: the whole sequence, no cache (a fresh one is used and dropped).
     - ``prefill(tokens, cache)``, ``decode_step(tokens, cache)``: logits for the new positions only.
     - ``generate(prompt, max_new_tokens)``: greedy or sampled continuation, new ids only.
+
+    ``weight_dtype`` (``kvlab.weights.WEIGHT_DTYPES``, default fp32) is the precision the projections and the LM
+    head read their weights in; the parameters themselves stay fp32 (``kvlab.weights``). With another precision,
+    ``cfg`` records it in ``weight_dtypes``, so the byte model (``kvlab.roofline``) charges those bytes.
     """
 
-    def __init__(self, cfg: ModelConfig, device: str | torch.device | None = None, seed: int | None = 0) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        device: str | torch.device | None = None,
+        seed: int | None = 0,
+        weight_dtype: str = "fp32",
+    ) -> None:
         super().__init__()
         if not cfg.runnable:
             raise ValueError(f"{cfg.name}: {cfg.not_runnable_reason}")
+        weight_dtype = canonical_dtype(weight_dtype, "weight_dtype", WEIGHT_DTYPES)
+        if weight_dtype == "int8" and resolve_device(device).type != "cpu":
+            raise ValueError(
+                f"weight_dtype: 'int8' on {resolve_device(device)}; allowed: int8 on the CPU (PyTorch's quantized "
+                "linear is a CPU kernel), or fp32, bf16, fp16 on any device"
+            )
+        if weight_dtype != "fp32":
+            if cfg.mla is not None:
+                raise ValueError(f"weight_dtype: {weight_dtype!r} with MLA; allowed: 'fp32' (MLA's weights are fp32)")
+            cfg = cfg.replace(weight_dtypes=(("embeddings", weight_dtype), ("other", weight_dtype)))
         self.cfg = cfg
+        self.weights = WeightFormat(weight_dtype)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, self.weights) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.d_model, cfg.vocab_size))
         rope_dim = cfg.head_dim if cfg.mla is None else cfg.mla.qk_rope_head_dim  # MLA ropes only that part
@@ -81,6 +103,10 @@ class Decoder(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.embed.weight.device
+
+    @property
+    def weight_dtype(self) -> str:
+        return self.weights.dtype
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -110,7 +136,7 @@ class Decoder(nn.Module):
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         h = self.norm(h)
-        return h @ self.embed.weight.T if self.lm_head is None else h @ self.lm_head
+        return self.weights.matmul(h, self.embed.weight.T if self.lm_head is None else self.lm_head)
 
     def _run(self, tokens: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
         tokens = self._check_tokens(tokens, cache)

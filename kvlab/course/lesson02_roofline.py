@@ -1,5 +1,6 @@
 """Lesson 02, roofline: the ridge point, decode and prefill FLOPs, the roofline's time, the fixed per-step overhead
-measured on a model too small to stream, and the share of bandwidth published decode runs reached."""
+measured on a model too small to stream, the share of bandwidth published decode runs reached, and the bytes of
+int8 weights."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ from kvlab.course.grading import _call, _close, _exact_int, _fail, _label
 from kvlab.presets import get_model
 from kvlab.published import PublishedDecode, published_decode
 from kvlab.roofline import decode_flops, predict_tpot_ms, prefill_flops, ridge_intensity, roofline_time_ms
+from kvlab.weights import int8_step_weight_bytes
 
 __all__ = [
     "check_achieved_fraction",
     "check_decode_flops",
     "check_fixed_overhead",
+    "check_int8_weight_bytes",
     "check_prefill_flops",
     "check_ridge_intensity",
     "check_roofline_time_ms",
@@ -128,3 +131,18 @@ def check_achieved_fraction(
             "divide it by the measured TPOT (a fraction below 1)."
         )
         _close(label, _call(label, fn, row), want, "a fraction of the bandwidth", fix, reveal)
+
+
+def check_int8_weight_bytes(fn: Callable[[ModelConfig], int], cases=None, reveal: bool = True) -> None:
+    """``fn(cfg)`` -> bytes of the matrices a decode step multiplies by, stored int8 with one fp32 scale per output
+    column (``kvlab.weights``'s format): exact arithmetic, no measurement."""
+    cases = (get_model("cpu-small"), get_model("cpu-tiny"), get_model("llama-3.1-8b")) if cases is None else cases
+    for cfg in cases:
+        label = f"int8_weight_bytes({_label(cfg)})"
+        fix = (
+            "Per layer: the QKV matrix (d_model in; query heads + 2 x KV heads, times head_dim, out), the output "
+            "projection, gate/up (2 x d_ff out) and down; then the LM head (d_model in, vocab out). Each matrix "
+            "costs 1 byte per weight plus a 4-byte scale per output column; the input embedding is a lookup, not "
+            "a product."
+        )
+        _exact_int(label, _call(label, fn, cfg), int8_step_weight_bytes(cfg), "bytes", fix, reveal)

@@ -1,0 +1,147 @@
+"""How a decode step multiplies by its weights: the precision they are read in, and the kernel that reads them.
+
+Every projection of the model (QKV, output, SwiGLU's gate/up and down, the LM head) goes through
+``WeightFormat.matmul(x, w)`` with ``w`` the fp32 parameter stored ``[in, out]``. The parameters stay the model's
+state (checkpoints, training, Hugging Face export see only them); a format other than fp32 keeps a packed copy of
+each one, rebuilt whenever the parameter changes (``Tensor._version``), so loading a checkpoint or editing a weight
+in place needs no extra call.
+
+- ``fp32``: ``x @ w``, torch's own kernel. On a 2-core AMD EPYC (Zen 3) its one-row product reads the weights at
+  the speed of summing them, and numpy's OpenBLAS, the other kernel a laptop has, was no faster at one thread and
+  far slower at two on a busy machine (docs/cpu_performance.md, ``benchmarks/weight_term.py``).
+- ``int8``: symmetric, one fp32 scale per output channel, through PyTorch's dynamic quantized linear (fbgemm on
+  x86, qnnpack on ARM): the activation row is quantized on the fly, the product runs in integers.
+- ``bf16``, ``fp16``: weights stored in half precision; the activation is cast to match and the product cast back
+  to fp32. Only a CPU with native half-precision dot products (AVX512-BF16, AMX, AVX512-FP16: oneDNN reports
+  them) gains from it; elsewhere each product converts every weight first and runs several times slower than
+  fp32, so building such a format warns.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from kvlab.config import ModelConfig
+
+WEIGHT_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8")
+
+
+def native_half(dtype: str) -> bool:
+    """Whether this CPU has native dot products in ``dtype`` (``"bf16"`` or ``"fp16"``), as oneDNN detects them."""
+    probe = {"bf16": torch.ops.mkldnn._is_mkldnn_bf16_supported, "fp16": torch.ops.mkldnn._is_mkldnn_fp16_supported}
+    return bool(probe[dtype]())
+
+
+def int8_weight_bytes(shape: tuple[int, int]) -> int:
+    """Bytes an ``[in, out]`` weight takes as int8: one byte per weight plus one fp32 scale per output column."""
+    n_in, n_out = shape
+    return n_in * n_out + 4 * n_out
+
+
+def projection_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """``[in, out]`` of every matrix a decode step multiplies by, in step order: per layer QKV, output, SwiGLU's
+    gate/up and down, then the LM head (``[d_model, vocab]``, tied or not). MHA/GQA/MQA models only."""
+    if cfg.mla is not None or cfg.moe is not None:
+        raise ValueError(f"cfg: {cfg.name} has MLA or MoE; allowed: a dense model with MHA, GQA or MQA attention")
+    q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    layer = [
+        (cfg.d_model, q_dim + 2 * kv_dim),
+        (q_dim, cfg.d_model),
+        (cfg.d_model, 2 * cfg.d_ff),
+        (cfg.d_ff, cfg.d_model),
+    ]
+    return layer * cfg.n_layers + [(cfg.d_model, cfg.vocab_size)]
+
+
+def int8_step_weight_bytes(cfg: ModelConfig) -> int:
+    """Bytes of weights an int8 decode step reads: every projection and the LM head, scales included."""
+    return sum(int8_weight_bytes(shape) for shape in projection_shapes(cfg))
+
+
+class WeightFormat:
+    """The precision a model's projections read their weights in, and the packed copies that precision needs."""
+
+    def __init__(self, dtype: str = "fp32") -> None:
+        if dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype: {dtype!r}; allowed: {', '.join(WEIGHT_DTYPES)}")
+        if dtype in ("bf16", "fp16") and not native_half(dtype):
+            warnings.warn(
+                f"weight_dtype={dtype!r}: this CPU has no native {dtype} dot product (AVX512-BF16, AMX or "
+                "AVX512-FP16), so every product converts each weight to fp32 first and the step runs several "
+                "times slower than fp32, not faster (benchmarks/weight_precision.py measures it)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self.dtype = dtype
+        self._packed: dict[tuple, tuple[int, object]] = {}
+
+    def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., in]`` times the fp32 weight ``w`` ``[in, out]`` -> ``[..., out]``, in this precision."""
+        if self.dtype == "fp32":
+            return x @ w
+        # A packed format is for inference: its kernels carry no gradient.
+        packed = self._pack(w)
+        if self.dtype == "int8":
+            rows = x.reshape(-1, x.shape[-1]).float()
+            out = torch.ops.quantized.linear_dynamic(rows, packed, True)
+            return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+        return (x.to(packed.dtype) @ packed).to(x.dtype)
+
+    def _pack(self, w: torch.Tensor) -> object:
+        """The packed copy of ``w``, rebuilt when ``w`` has changed since it was made."""
+        # Keyed by storage, not identity: a tied head is a fresh ``embed.weight.T`` view at every step, and a view
+        # shares its base's version counter.
+        key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()))
+        # A tensor made under inference mode keeps no version counter; such a weight is packed once.
+        version = -1 if w.is_inference() else w._version
+        entry = self._packed.get(key)
+        if entry is not None and entry[0] == version:
+            return entry[1]
+        packed = _pack_int8(w) if self.dtype == "int8" else w.detach().to(getattr(torch, _TORCH[self.dtype]))
+        self._packed[key] = (version, packed)
+        return packed
+
+    def weight_bytes(self, w: torch.Tensor) -> int:
+        """Bytes a step reads for ``w`` ``[in, out]`` in this precision, scales included."""
+        if self.dtype == "int8":
+            return int8_weight_bytes(tuple(w.shape))
+        return w.numel() * (4 if self.dtype == "fp32" else 2)
+
+
+_TORCH = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` ``[in, out]`` -> int8 values ``[out, in]`` and one fp32 scale per output channel ``[out]``.
+
+    Symmetric: a channel's largest magnitude maps to 127; an all-zero channel gets scale 1.
+    """
+    rows = w.detach().float().T
+    scale = rows.abs().amax(dim=1) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(rows / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def _pack_int8(w: torch.Tensor) -> object:
+    q, scale = quantize_int8(w)
+    engines = torch.backends.quantized.supported_engines
+    engine = next((e for e in ("x86", "fbgemm", "qnnpack") if e in engines), None)
+    if engine is None:
+        raise RuntimeError(
+            f"weight_dtype='int8': this torch build has no quantized engine for dynamic linear (has {engines}); "
+            "allowed engines: x86, fbgemm, qnnpack"
+        )
+    previous = torch.backends.quantized.engine
+    try:
+        torch.backends.quantized.engine = engine
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch marks quantized tensors deprecated (2.10+)
+            qw = torch._make_per_channel_quantized_tensor(
+                q, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0
+            )
+            return torch.ops.quantized.linear_prepack(qw, None)
+    finally:
+        torch.backends.quantized.engine = previous
