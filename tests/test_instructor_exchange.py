@@ -78,5 +78,6 @@ def test_release_collect_grade_and_return_feedback_through_the_exchange(tmp_path
     for home, answer in ((homes["alice"], "return 42"), (homes["bob"], "return 41")):
         student(home, "fetch_feedback", TINY)
         [page] = (home / TINY / "feedback").glob(f"*/{TINY}.html")  # the feedback on their own latest submission
-        text = re.sub(r"<[^>]+>", "", page.read_text())  # the code is highlighted: a tag around each token
-        assert answer in text and "HIDDEN TESTS" not in text
+        # The code is highlighted: a tag around each token. (This lesson has no setup cell, which in the real
+        # lessons cuts a failed check's traceback to its message; tests/test_grading.py checks their feedback.)
+        assert answer in re.sub(r"<[^>]+>", "", page.read_text())
