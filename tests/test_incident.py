@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from autograde import hidden
 from kvlab.course import lesson11_capstone_incident as lesson11
 from kvlab.engine import Engine, Request
 from kvlab.incident import (
@@ -160,6 +161,19 @@ def test_public_checkers_accept_kvlab_and_refuse_slips():
         lesson11.check_grown_term(lambda e, late: max(((t, late[t] - e[t]) for t in e), key=lambda p: p[1]))
     with pytest.raises(AssertionError, match="not early by late"):
         lesson11.check_grown_term(lambda e, late: max(((t, e[t] / late[t]) for t in e), key=lambda p: p[1]))
+
+
+def test_check_grown_term_refuses_the_largest_late_term():
+    """The playtest's accepted slip: pick the term that is largest late, then return its ratio."""
+
+    def largest_late(early, late):
+        term = max(late, key=late.get)
+        return term, late[term] / early[term]
+
+    with pytest.raises(AssertionError, match="not the largest one late"):
+        lesson11.check_grown_term(largest_late)
+    with pytest.raises(AssertionError, match="hidden"):
+        hidden.check_grown_term(largest_late)
 
 
 @pytest.mark.slow
