@@ -25,6 +25,7 @@ from kvlab.roofline import kv_bytes_per_step, predict_tpot_ms, weight_bytes_read
 __all__ = [
     "CODEC_MIN_OF_BYTES",
     "VLLM_L4_QWEN3_4B",
+    "VLLM_L4_QWEN3_4B_KV_TOKENS",
     "check_codec_slopes",
     "check_fp8_kv_tpot",
     "check_dequantize",
@@ -47,6 +48,9 @@ def _vllm_l4_qwen3_4b() -> dict[int, tuple[float, float]]:
 
 
 VLLM_L4_QWEN3_4B = _vllm_l4_qwen3_4b()
+# The KV tokens vLLM reserved on the same L4 for Qwen3-4B (gpu_memory_utilization 0.9, after profiling its
+# activations), as its log prints them on that page: docs/features/quantization/quantized_kvcache.md (vLLM).
+VLLM_L4_QWEN3_4B_KV_TOKENS = {"bf16": 83_488, "fp8": 166_992}
 
 _KEY_DIM = {"per-channel": 2, "per-token": 3}  # the dim of a [B, Hkv, S, D] tensor whose G elements share a scale
 _VALUE_DIM = 3
