@@ -104,6 +104,7 @@ from kvlab.course.lesson08_heavy_hitters import (
 from kvlab.course.lesson09_kv_quantization import (
     CODEC_MIN_OF_BYTES,
     VLLM_L4_QWEN3_4B,
+    VLLM_L4_QWEN3_4B_KV_TOKENS,
     check_codec_slopes,
     check_dequantize,
     check_fp8_kv_tpot,
@@ -137,6 +138,7 @@ __all__ = [
     "TPOT_BAND",
     "TTFT_MIN_TRACKING",
     "VLLM_L4_QWEN3_4B",
+    "VLLM_L4_QWEN3_4B_KV_TOKENS",
     "WEIGHT_RATIO_BAND",
     "WINDOW_MAX_SHARE",
     "check_ab_slopes",

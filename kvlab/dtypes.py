@@ -18,12 +18,15 @@ BYTES_PER_ELEMENT: dict[str, float] = {
     "fp16": 2,
     "bf16": 2,
     "fp8": 1,
+    "fp8-tensor": 1,
     "int8": 1,
     "int4": 0.5,
     "mxfp4": (32 * 4 + 8) / 8 / 32,
 }
 
-KV_DTYPES: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
+# ``fp8-tensor``: e4m3 with one scale per tensor (vLLM's FP8 KV cache by default), left at 1.0 as vLLM leaves it
+# without calibration; the scale is a constant of the model, not stored per group, so it costs no KV bytes.
+KV_DTYPES: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "fp8-tensor", "int8", "int4")
 
 # Statistics a quantized KV dtype stores per group of elements, each one fp16 (KIVI's layout, as kvlab.cache.codecs
 # stores it): fp8 a scale; int8 and int4 a scale and a zero point. Float KV dtypes are a cast and store none.

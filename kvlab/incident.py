@@ -40,7 +40,7 @@ from kvlab.engine import Clock, Engine, Request, RunReport, SimulatedClock
 from kvlab.model import Decoder
 from kvlab.presets import GPU, get_gpu, get_model
 from kvlab.pretrained import heldout_tokens, load_pretrained
-from kvlab.quality import perplexity
+from kvlab.quality import default_cache, perplexity
 from kvlab.roofline import kv_bytes_per_token, weight_bytes
 from kvlab.session import turns_to_drop
 from kvlab.tokenizer import ASK, N_PASSKEYS, PASSKEY_BASE, VOCAB_SIZE
@@ -280,6 +280,7 @@ def replay(
         clock=clock,
     )
     kept: list[list[tuple[int, ...]]] = [[] for _ in trace.sessions]  # per session: its kept turns' tokens
+    history = [list(trace.system) for _ in trace.sessions]  # per session: the system prompt and its kept turns
     records: list[TurnRecord] = []
 
     def request(s: int, k: int, after_s: float) -> Request:
@@ -289,14 +290,17 @@ def replay(
             dropped = turns_to_drop(
                 len(trace.system), [len(t) for t in kept[s]], len(turn.user) + turn.reply_tokens, fix.session_cap
             )
-            del kept[s][:dropped]
-        prompt = (*trace.system, *(t for old in kept[s] for t in old), *turn.user)
+            if dropped:
+                del kept[s][:dropped]
+                history[s] = [*trace.system, *(t for old in kept[s] for t in old)]
+        prompt = (*history[s], *turn.user)
         records.append(TurnRecord(s, k, after_s + turn.think_s, len(prompt), dropped))
         return Request(prompt, turn.reply_tokens, after_s + turn.think_s)
 
     def follow_up(index: int, output: list[int], finish_s: float) -> list[Request]:
         s, k = records[index].session, records[index].turn
         kept[s].append((*trace.sessions[s].turns[k].user, *output))
+        history[s].extend(kept[s][-1])
         return [request(s, k + 1, finish_s)] if k + 1 < len(trace.sessions[s].turns) else []
 
     first = [request(s, 0, session.start_s) for s, session in enumerate(trace.sessions)]
@@ -422,12 +426,46 @@ class Quality:
         return self.ppl / self.full_ppl
 
 
-@lru_cache(maxsize=4)
-def _full_cache_ppl(model: Decoder, segments: int) -> float:
-    """The reference every fix's perplexity is divided by: the same text through a cache that keeps everything
-    (cached per model object: each judge of a lesson would compute it again)."""
+def _fix_ppl(model: Decoder, small: Fix, segments: int) -> float:
+    """Held-out perplexity through ``small``'s cache; a fix that keeps every token at the model's dtype reads the
+    full cache, the reference every fix is divided by."""
+    return _cache_ppl(model, small.kv_dtype, small.window, small.sinks, segments)
+
+
+@lru_cache(maxsize=16)
+def _cache_ppl(model: Decoder, kv_dtype: str | None, window: int | None, sinks: int, segments: int) -> float:
+    """It depends on the cache and the text, not on a trace's seed or the fix's other levers, so it is remembered
+    per model object: a lesson's check and the grader's judge the same cache on the same text."""
     context = model.cfg.max_seq_len
-    return perplexity(model, heldout_tokens()[: segments * context], context, progress=False).ppl
+    small = Fix(kv_dtype=kv_dtype, window=window, sinks=sinks)
+    factory = default_cache if small == Fix() else fix_cache_factory(small)
+    return perplexity(model, heldout_tokens()[: segments * context], context, factory, progress=False).ppl
+
+
+@lru_cache(maxsize=32)
+def _at_scale(incident: Incident, fix: Fix, seed: int) -> Replay:
+    """``Incident.at_scale``, remembered: the simulated clock makes a replay a function of its fix and seed, and a
+    lesson replays the same ones more than once (its plots, its check, its report)."""
+    return at_scale(incident.trace(seed), fix, incident.cfg, incident.gpu)
+
+
+@lru_cache(maxsize=16)
+def _quality(incident: Incident, fix: Fix, seed: int, model: Decoder) -> Quality:
+    """``Incident.quality`` on a given model object, remembered (greedy decoding: the same answer each time)."""
+    small = fix.scaled(SCALE)
+    trace, answers = with_passkeys(chat_trace(incident.shape.scaled(SCALE), seed), incident.horizon // SCALE, seed)
+    longest = max(trace.tokens_at_end(s) for s in range(len(trace.sessions)))
+    if longest > model.cfg.max_seq_len:
+        raise ValueError(
+            f"shape: a chat reaches {longest} tokens at 1/{SCALE} scale, past {incident.checkpoint}'s trained "
+            f"{model.cfg.max_seq_len}; allowed: shorter chats"
+        )
+    n_blocks = len(trace.sessions) * (math.ceil(longest / BLOCK_SIZE) + 1)
+    run = replay(trace, small, model, n_blocks=n_blocks, max_batch=len(trace.sessions))
+    got = run.answers()
+    recall = sum(got.get(s) == a for s, a in answers.items()) / len(answers)
+    segments = incident.ppl_segments
+    return Quality(recall, _fix_ppl(model, small, segments), _fix_ppl(model, Fix(), segments), run)
 
 
 # -- the incident ------------------------------------------------------------------------------------------------
@@ -440,6 +478,7 @@ class Verdict:
     slo_met: bool
     quality: Quality
     quality_met: bool
+    trace_p99_tpot_ms: tuple[float, ...] = ()  # each trace's own P99 TPOT, in the order of the seeds judged
 
     @property
     def passed(self) -> bool:
@@ -471,29 +510,15 @@ class Incident:
         return chat_trace(self.shape, seed)
 
     def at_scale(self, fix: Fix, seed: int) -> Replay:
-        return at_scale(self.trace(seed), fix, self.cfg, self.gpu)
+        """The trace of ``seed`` replayed with ``fix`` for ``model`` on ``gpu`` (remembered: treat it as read-only)."""
+        return _at_scale(self, fix, seed)
 
     def quality(self, fix: Fix, seed: int, model: Decoder | None = None) -> Quality:
         """The fix, shrunk by ``SCALE``, on the checkpoint (loaded on the CPU unless given): recall over the chats of
         ``chat_trace(shape.scaled(SCALE), seed)``, perplexity over ``ppl_segments`` held-out segments of its
-        trained length."""
+        trained length. Remembered per model object, as ``at_scale`` is."""
         model = load_pretrained(self.checkpoint, device="cpu") if model is None else model
-        small = fix.scaled(SCALE)
-        trace, answers = with_passkeys(chat_trace(self.shape.scaled(SCALE), seed), self.horizon // SCALE, seed)
-        longest = max(trace.tokens_at_end(s) for s in range(len(trace.sessions)))
-        if longest > model.cfg.max_seq_len:
-            raise ValueError(
-                f"shape: a chat reaches {longest} tokens at 1/{SCALE} scale, past {self.checkpoint}'s trained "
-                f"{model.cfg.max_seq_len}; allowed: shorter chats"
-            )
-        n_blocks = len(trace.sessions) * (math.ceil(longest / BLOCK_SIZE) + 1)
-        run = replay(trace, small, model, n_blocks=n_blocks, max_batch=len(trace.sessions))
-        got = run.answers()
-        recall = sum(got.get(s) == a for s, a in answers.items()) / len(answers)
-        context = model.cfg.max_seq_len
-        text = heldout_tokens()[: self.ppl_segments * context]
-        ppl = perplexity(model, text, context, fix_cache_factory(small), progress=False).ppl
-        return Quality(recall, ppl, _full_cache_ppl(model, self.ppl_segments), run)
+        return _quality(self, fix, seed, model)
 
     def judge(self, fix: Fix, seeds: Sequence[int], model: Decoder | None = None) -> Verdict:
         """Both halves: the P99s at scale, over every turn of the traces of ``seeds`` together (a P99 of one trace's
@@ -501,13 +526,21 @@ class Incident:
         chats, against the floor."""
         if not seeds:
             raise ValueError("seeds: empty; allowed: one or more integer seeds")
-        turns = [r for seed in seeds for r in self.at_scale(fix, seed).report.completed]
-        metrics = latency_summaries(turns)
-        tpot, ttft = metrics["p99_tpot_ms"], metrics["p99_ttft_ms"]
+        tpot, ttft, trace_tpot = self.pooled_p99(fix, seeds)
         q = self.quality(fix, seeds[0], model)
         quality_met = q.recall >= self.recall_floor and q.ppl_ratio <= 1 + self.ppl_tolerance
         slo_met = tpot <= self.slo_p99_tpot_ms and ttft <= self.slo_p99_ttft_ms
-        return Verdict(tpot, ttft, slo_met, q, quality_met)
+        return Verdict(tpot, ttft, slo_met, q, quality_met, trace_tpot)
+
+    def pooled_p99(self, fix: Fix, seeds: Sequence[int]) -> tuple[float, float, tuple[float, ...]]:
+        """The at-scale half of ``judge`` alone: P99 TPOT and P99 TTFT (ms) over every turn of the traces of
+        ``seeds`` together, and each trace's own P99 TPOT, in the order of ``seeds``."""
+        if not seeds:
+            raise ValueError("seeds: empty; allowed: one or more integer seeds")
+        per_trace = [self.at_scale(fix, seed).report.completed for seed in seeds]
+        metrics = latency_summaries([r for turns in per_trace for r in turns])
+        each = tuple(latency_summaries(turns)["p99_tpot_ms"] for turns in per_trace)
+        return metrics["p99_tpot_ms"], metrics["p99_ttft_ms"], each
 
 
 # The course's incident: a chat assistant on Llama 3.1 8B, one H100, whose sessions paste code and logs each turn.

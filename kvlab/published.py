@@ -242,7 +242,9 @@ class PublishedSpeculative:
     llama.cpp's "accept"). It is not the per-draft ``a`` of ``kvlab.roofline.expected_tokens_per_step``: drafts
     after a rejection are never judged, so the rate falls as ``k`` grows at the same ``a``
     (``kvlab.roofline.acceptance_from_rate`` converts). ``tokens_per_step`` (tokens per verify step) and
-    ``speedup`` (over the target alone, same system) are ``None`` where the source gives none.
+    ``speedup`` (over the target alone, same system) are ``None`` where the source gives none. ``drafts_per_step``
+    is set where a run drafted fewer than ``k`` at some steps (``k`` is then a maximum); such a row's rate does not
+    convert to ``a``, since the conversion assumes ``k`` drafts at every step.
     """
 
     source: str
@@ -254,6 +256,7 @@ class PublishedSpeculative:
     batch: int
     k: int
     acceptance_rate: float
+    drafts_per_step: float | None  # the mean, where a run drafted fewer than k at some steps; None: k every step
     tokens_per_step: float | None
     speedup: float | None
     caveats: str
@@ -274,6 +277,7 @@ def published_speculative() -> tuple[PublishedSpeculative, ...]:
             batch=int(r["batch"]),
             k=int(r["k"]),
             acceptance_rate=float(r["acceptance_rate"]),
+            drafts_per_step=float(r["drafts_per_step"]) if r["drafts_per_step"] else None,
             tokens_per_step=float(r["tokens_per_step"]) if r["tokens_per_step"] else None,
             speedup=float(r["speedup"]) if r["speedup"] else None,
             caveats=r["caveats"],

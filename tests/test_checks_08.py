@@ -137,6 +137,18 @@ def test_bytes_slips(fn, match):
     assert_fails(checks.check_h2o_bytes_per_step, fn, match=match)
 
 
+def h2o_bytes_evicting_at_the_budget(cfg, context, heavy, recent, batch):
+    """The playtest's accepted slip: the eviction's read charged from context == heavy + recent (>= for >)."""
+    full = h2o_bytes_per_step(cfg, context, heavy, recent, batch)
+    at_budget = context == heavy + recent
+    return full + (batch * cfg.n_layers * cfg.n_kv_heads * (heavy + recent) * 12 if at_budget else 0)
+
+
+def test_bytes_refuses_evicting_at_the_budget():
+    assert_fails(checks.check_h2o_bytes_per_step, h2o_bytes_evicting_at_the_budget, match="passes the budget")
+    assert_fails(hidden.check_h2o_bytes_per_step, h2o_bytes_evicting_at_the_budget, match="hidden")
+
+
 def test_hidden_bytes_withholds_the_answer():
     message = assert_fails(hidden.check_h2o_bytes_per_step, lambda *a: h2o_bytes_per_step(*a) + 1, match="hidden")
     assert "expected" not in message

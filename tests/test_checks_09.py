@@ -4,6 +4,7 @@ names the fix, hidden checks withhold the expected value, and the measured check
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -315,6 +316,29 @@ def test_codec_band_measures_again_before_failing(capsys):
     fast_again = Remeasure(fast)
     message = assert_fails(checks.check_codec_slopes, ratios_of(fast), fast, remeasure=fast_again, match="int8: ")
     assert "fp8" not in message.split("got")[1] and fast_again.calls == lesson09.CODEC_REMEASURES
+
+
+def test_codec_slopes_say_when_the_effect_was_not_seen(capsys):
+    # fp32's line unreadable (its points scattered), and so on every re-measurement: passed, and told so.
+    noisy = codec_sweeps()
+    scattered = [
+        dataclasses.replace(p, requests=[RequestTiming((t / 1e3, 2 * t / 1e3))])
+        for p, t in zip(noisy["fp32"].points, (3.9, 3.0, 4.2, 3.3), strict=True)
+    ]  # ms: up and down around a slope that is small next to the load's jitter
+    noisy["fp32"] = dataclasses.replace(noisy["fp32"], points=scattered)
+    assert noisy["fp32"].fit.r2 < lesson09.READABLE_R2
+    again = Remeasure(noisy)
+    checks.check_codec_slopes(ratios_of(noisy), noisy, remeasure=again)
+    out = capsys.readouterr().out
+    assert "Not seen on this run" in out and "does not depend" in out and again.calls == lesson09.CODEC_REMEASURES
+
+
+def test_codec_slopes_say_when_a_run_contradicts_the_lesson(capsys):
+    # Readable, inside the band, but int8 flatter than fp32: the opposite of what section 3 describes.
+    flatter = codec_sweeps({**PLAUSIBLE, "int8": (0.5, 2304.0)})
+    checks.check_codec_slopes(ratios_of(flatter), flatter)
+    out = capsys.readouterr().out
+    assert "int8 came out flatter than fp32" in out and "does not depend" in out
 
 
 def test_codec_band_judges_a_plausible_measurement_at_once():

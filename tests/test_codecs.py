@@ -301,7 +301,7 @@ def test_a_sliding_window_is_refused():
 @pytest.mark.parametrize(
     ("kw", "match"),
     [
-        (dict(codec="int3"), r"codec: .*'int3'.*allowed: fp32, fp16, bf16, fp8, int8, int4"),
+        (dict(codec="int3"), r"codec: .*'int3'.*allowed: fp32, fp16, bf16, fp8, fp8-tensor, int8, int4"),
         (dict(group_size=0), r"group_size: 0 .*allowed: an integer >= 1"),
         (dict(group_size=2.5), r"group_size: 2.5 .*allowed: an integer >= 1"),
         (dict(residual=-1), r"residual: -1 .*allowed: an integer >= 0"),
@@ -321,7 +321,7 @@ def test_bad_cache_arguments_name_the_argument_and_the_allowed_values(kw, match)
 
 
 def test_bad_codec_arguments_name_the_argument_and_the_allowed_values():
-    with pytest.raises(ValueError, match=r"codec: .*'int2'.*allowed: fp32, fp16, bf16, fp8, int8, int4"):
+    with pytest.raises(ValueError, match=r"codec: .*'int2'.*allowed: fp32, fp16, bf16, fp8, fp8-tensor, int8, int4"):
         get_codec("int2")
     with pytest.raises(ValueError, match=r"group_size: -4 .*allowed: an integer >= 1"):
         get_codec("int8").encode(_randn(4, 8), group_size=-4)
@@ -333,3 +333,18 @@ def test_bad_codec_arguments_name_the_argument_and_the_allowed_values():
 
 def test_aliases_from_kvlab_dtypes_name_the_same_codecs():
     assert get_codec("float8_e4m3fn").name == "fp8" and get_codec("bfloat16").name == "bf16"
+
+
+def test_fp8_tensor_stores_one_byte_per_number_and_costs_an_uncalibrated_scale():
+    """vLLM's default FP8 cache: no per-group scale stored, so 1 B per number; with its scale left at 1.0, values in
+    e4m3's range round to 3 mantissa bits, values past 448 clip, and tiny ones fall to its subnormal step."""
+    per_tensor, per_group = get_codec("fp8-tensor"), get_codec("fp8")
+    x = torch.randn(4, 2, 64, generator=torch.Generator().manual_seed(0))
+    enc = per_tensor.encode(x, -1, 32)
+    assert enc.nbytes == x.numel() and enc.scale is None
+    assert per_tensor.stored_bytes(tuple(x.shape), -1, 32) == x.numel() < per_group.stored_bytes(tuple(x.shape), -1, 32)
+    torch.testing.assert_close(per_tensor.decode(enc), x, rtol=2**-4, atol=2**-9)
+    for scaled in (x * 1000, x * 1e-4):  # outside what a scale of 1.0 represents well; a per-group scale adapts
+        err_tensor = (per_tensor.decode(per_tensor.encode(scaled)) - scaled).abs().mean()
+        err_group = (per_group.decode(per_group.encode(scaled, -1, 32)) - scaled).abs().mean()
+        assert err_tensor > 10 * err_group

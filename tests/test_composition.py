@@ -44,7 +44,7 @@ GROUP = 32  # the stores' default: channels per scale
 # int8 splits each 32-channel group's range in 255 steps (0.2% of the range per element); fp8 e4m3 keeps 3
 # mantissa bits (6%); int4 splits the range in 15 steps (3.3%). Errors of single elements partly average out over
 # a dot product, and logits pass through two layers, so each bound is several times its per-element figure.
-REL_TOL = {"fp32": 1e-5, "fp16": 5e-3, "bf16": 3e-2, "int8": 3e-2, "fp8": 0.2, "int4": 0.3}
+REL_TOL = {"fp32": 1e-5, "fp16": 5e-3, "bf16": 3e-2, "int8": 3e-2, "fp8": 0.2, "fp8-tensor": 0.2, "int4": 0.3}
 
 
 def _stored_row_bytes(codec: str, dim: int) -> float:
@@ -55,6 +55,7 @@ def _stored_row_bytes(codec: str, dim: int) -> float:
         "fp16": 2 * dim,
         "bf16": 2 * dim,
         "fp8": dim + 2 * groups,  # e4m3 payload + one fp16 scale per group
+        "fp8-tensor": dim,  # e4m3 payload; its one scale per tensor is a constant, not stored
         "int8": dim + 4 * groups,  # payload + fp16 scale + fp16 zero point per group
         "int4": math.ceil(dim / 2) + 4 * groups,  # two codes per byte
     }[codec]

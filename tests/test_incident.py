@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
+from autograde import hidden
 from kvlab.course import lesson11_capstone_incident as lesson11
 from kvlab.engine import Engine, Request
 from kvlab.incident import (
@@ -162,6 +164,19 @@ def test_public_checkers_accept_kvlab_and_refuse_slips():
         lesson11.check_grown_term(lambda e, late: max(((t, e[t] / late[t]) for t in e), key=lambda p: p[1]))
 
 
+def test_check_grown_term_refuses_the_largest_late_term():
+    """The playtest's accepted slip: pick the term that is largest late, then return its ratio."""
+
+    def largest_late(early, late):
+        term = max(late, key=late.get)
+        return term, late[term] / early[term]
+
+    with pytest.raises(AssertionError, match="not the largest one late"):
+        lesson11.check_grown_term(largest_late)
+    with pytest.raises(AssertionError, match="hidden"):
+        hidden.check_grown_term(largest_late)
+
+
 @pytest.mark.slow
 def test_check_fix_measures_both_halves(tiny):
     """The lesson's answer passes; the empty fix misses the SLOs; a window shorter than the horizon forgets."""
@@ -175,3 +190,17 @@ def test_check_fix_measures_both_halves(tiny):
     with pytest.raises(AssertionError, match="Fix"):
         lesson11.check_fix({"prefix_caching": True}, tiny)
     assert INCIDENT.judge(Fix(prefix_caching=True, kv_dtype="int4"), (0,), tiny).quality.recall == 1.0
+
+
+def test_pooled_p99_pools_the_traces_and_keeps_each_ones_own():
+    """The at-scale half of judge: one P99 over every turn of the traces, each trace's own beside it, and a
+    remembered replay that is the replay itself."""
+    small = dataclasses.replace(INCIDENT, shape=dataclasses.replace(INCIDENT.shape, sessions=3, turns=3))
+    fix = Fix(kv_dtype="int8")
+    pooled, _, each = small.pooled_p99(fix, (0, 1))
+    assert each == tuple(small.pooled_p99(fix, (seed,))[0] for seed in (0, 1))
+    assert min(each) - 1e-9 <= pooled <= max(each) + 1e-9
+    fresh = at_scale(small.trace(0), fix, small.cfg, small.gpu)
+    remembered = small.at_scale(fix, 0)
+    assert remembered is small.at_scale(fix, 0)
+    assert [r.tpot_ms for r in remembered.report.results] == [r.tpot_ms for r in fresh.report.results]

@@ -165,7 +165,10 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
         (lambda m: m.generate([], 3), "prompt"),
         (lambda m: m(torch.zeros(1, 200, dtype=torch.long)), "max_seq_len=128"),
         (lambda m: m.decode_step(torch.zeros(1, 2, dtype=torch.long), m.new_cache(1, 4)), "one token"),
-        (lambda m: m.new_cache(1, 4, kv_dtype="mxfp4"), "kv_dtype.*allowed: fp32, fp16, bf16, fp8, int8, int4"),
+        (
+            lambda m: m.new_cache(1, 4, kv_dtype="mxfp4"),
+            "kv_dtype.*allowed: fp32, fp16, bf16, fp8, fp8-tensor, int8, int4",
+        ),
     ],
 )
 def test_bad_inputs_raise_clear_errors(call, match):

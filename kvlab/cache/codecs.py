@@ -13,6 +13,8 @@ Codecs (names and aliases as in ``kvlab.dtypes``):
 
 - ``fp32``, ``fp16``, ``bf16``: a cast, no scales.
 - ``fp8``: e4m3 (``torch.float8_e4m3fn``), symmetric, one fp16 scale per group (e4m3's exponent covers the rest).
+- ``fp8-tensor``: e4m3 with one scale for the whole tensor, fixed (1.0: vLLM's default without calibration), so
+  nothing is stored beside the payload and values past +-448 clip; grouping is ignored.
 - ``int8``, ``int4``: asymmetric, one fp16 scale and one fp16 zero point (the group's minimum) per group;
   ``x ~= scale * u + zero`` with the code ``u`` in ``[0, 2**bits - 1]``. int8 codes are stored signed
   (``u - 128``) so that integer matmuls, which take int8, can read them as they are. int4 codes are packed two
@@ -33,7 +35,7 @@ import torch
 from kvlab.dtypes import canonical_dtype, to_torch
 from kvlab.validation import require_int
 
-CODECS: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
+CODECS: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "fp8-tensor", "int8", "int4")
 STATS_DTYPE = torch.float16
 _FP16_TINY = 2.0**-24  # the smallest positive fp16: a floor for scales, so a constant group divides safely
 _FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -193,6 +195,30 @@ class Fp8Codec(Codec):
         return _scale_groups(enc.payload, enc, enc.scale.float(), None, out)
 
 
+class Fp8TensorCodec(Codec):
+    """e4m3 with one per-tensor ``scale`` that is not computed from the data (vLLM's FP8 KV cache with its default
+    scales: 1.0 unless calibrated): ``x ~= scale * e4m3(x / scale)``, clipped at +-448 x scale."""
+
+    name, bits = "fp8-tensor", 8
+
+    def __init__(self, scale: float = 1.0) -> None:
+        if not scale > 0:
+            raise ValueError(f"scale: {scale!r}; allowed: a number > 0")
+        self.scale = float(scale)
+
+    @property
+    def payload_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn
+
+    def _encode(self, x, group_dim, group_size):
+        return (x / self.scale).clamp_(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn), None, None
+
+    def decode(self, enc: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            return enc.payload.float() * self.scale
+        return out.copy_(enc.payload).mul_(self.scale)
+
+
 class IntCodec(Codec):
     """Asymmetric ``bits``-bit integers (8 or 4): ``x ~= scale * u + zero`` per group, ``u`` in ``[0, 2**bits - 1]``."""
 
@@ -244,6 +270,8 @@ def get_codec(name: str | Codec) -> Codec:
     key = canonical_dtype(name, "codec", allowed=CODECS)
     if key == "fp8":
         return Fp8Codec()
+    if key == "fp8-tensor":
+        return Fp8TensorCodec()
     if key in ("int8", "int4"):
         return IntCodec(int(key[3:]))
     return CastCodec(key)

@@ -308,15 +308,11 @@ class PagedKVCache(KVCache):
             grew = any(n % self.block_size == 0 for n in before)
             positions = torch.tensor(before, device=self.device)[:, None]  # [B, 1]
         else:
-            grew = math.ceil(self._length / self.block_size) != self._table.shape[1]
+            grew = math.ceil(self._length / self.block_size) != self._width
             positions = torch.arange(start, start + n_new, device=self.device)  # [T], the same for every row
         if grant.copies or grew or released:
             self._refresh()  # most decode steps write into a block the table already lists
-        if self._ragged:
-            blocks = self._table.gather(1, positions // self.block_size).long()  # [B, 1]
-        else:
-            blocks = self._table[:, positions // self.block_size].long()  # [B, T]
-        self._slots = (slice(None), blocks * self.block_size + positions % self.block_size)  # -> [Hkv, B, T]
+        self._positions, self._slots_cache = positions, None  # [B, 1] ragged, [T] otherwise: ``_slots`` maps them
         self._start = positions[:, 0] if self._ragged else start
         return self._start
 
@@ -429,14 +425,37 @@ class PagedKVCache(KVCache):
         self._lengths = [self.pool.length(s) for s in self._seq_ids]
         self._length = max(self._lengths, default=0)
         self._ragged = len(set(self._lengths)) > 1
-        width = max((len(t) for t in tables), default=0)
-        padded = [t + [PAD_BLOCK] * (width - len(t)) for t in tables]
-        self._table = torch.tensor(padded, dtype=torch.int32, device=self.device).view(len(tables), width)  # [B, m]
+        self._width = max((len(t) for t in tables), default=0)
+        self._tables, self._table_tensor = tables, None  # the tensor is built when a read or write needs it
         # The block holding the newest token is never read as shared: the next write would copy it first. A
         # ragged batch shares nothing: cascade needs every row to read the same prefix at the same length. Only a
         # cascading cache looks: the scan costs as much as the rest of a step for a large batch of long tables.
         shared = shared_prefix_blocks(tables) if self.cascade and not self._ragged else 0
         self._n_shared = min(shared, max(self.length - 1, 0) // self.block_size)
+
+    @property
+    def _table(self) -> torch.Tensor:
+        """The batch's block tables, padded to the longest: ``[B, m]`` int32. Built on first use after a change: a
+        caller that only keeps the books (an engine's stand-in model) never reads it, and building it costs as much
+        as the rest of such a step."""
+        if self._table_tensor is None:
+            padded = [t + [PAD_BLOCK] * (self._width - len(t)) for t in self._tables]
+            table = torch.tensor(padded, dtype=torch.int32, device=self.device)
+            self._table_tensor = table.view(len(padded), self._width)
+        return self._table_tensor
+
+    @property
+    def _slots(self) -> tuple[slice, torch.Tensor]:
+        """Where the reserved tokens go in each layer's store (-> ``[Hkv, B, T]``), from the step's positions, once
+        per step (every layer writes the same slots)."""
+        if self._slots_cache is None:
+            positions = self._positions
+            if self._ragged:
+                blocks = self._table.gather(1, positions // self.block_size).long()  # [B, 1]
+            else:
+                blocks = self._table[:, positions // self.block_size].long()  # [B, T]
+            self._slots_cache = (slice(None), blocks * self.block_size + positions % self.block_size)
+        return self._slots_cache
 
     def _cascade_blocks(self) -> int:
         """Blocks a decode step reads once for the whole batch: 0 unless cascade is on and there is sharing."""

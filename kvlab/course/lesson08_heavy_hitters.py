@@ -171,6 +171,7 @@ def _bytes_models() -> tuple[tuple[ModelConfig, int, int, int, int], ...]:
         (tiny, 100, 64, 64, 1),  # within the budget: nothing evicted yet
         (llama, 32768, 1024, 1024, 8),  # bf16 K/V, fp32 scores
         (tiny.replace(n_kv_heads=2, name="cpu-tiny-gqa"), 129, 100, 28, 3),  # one past the budget
+        (tiny, 128, 64, 64, 2),  # exactly the budget: full, but nothing to evict yet
     )
 
 
@@ -210,6 +211,14 @@ def check_h2o_bytes_per_step(
                 "It reads the K/V of every token of context: H2O reads only the min(context, heavy + recent) it keeps.",
             ),
         ]
+        if context == heavy + recent:
+            slips.append(
+                (
+                    want + rows * n * 12,
+                    "It picks a token to evict when the cache holds exactly heavy + recent: nothing is evicted "
+                    "until the context passes the budget.",
+                )
+            )
         fix = (
             "K/V of min(context, heavy + recent) tokens (2 x n_kv_heads x head_dim x dtype bytes per layer), plus per "
             "sequence, layer and KV head: 4 B per kept score, and 12 B per slot when context > heavy + recent."

@@ -25,6 +25,7 @@ from kvlab.roofline import kv_bytes_per_step, predict_tpot_ms, weight_bytes_read
 __all__ = [
     "CODEC_MIN_OF_BYTES",
     "VLLM_L4_QWEN3_4B",
+    "VLLM_L4_QWEN3_4B_KV_TOKENS",
     "check_codec_slopes",
     "check_fp8_kv_tpot",
     "check_dequantize",
@@ -47,6 +48,9 @@ def _vllm_l4_qwen3_4b() -> dict[int, tuple[float, float]]:
 
 
 VLLM_L4_QWEN3_4B = _vllm_l4_qwen3_4b()
+# The KV tokens vLLM reserved on the same L4 for Qwen3-4B (gpu_memory_utilization 0.9, after profiling its
+# activations), as its log prints them on that page: docs/features/quantization/quantized_kvcache.md (vLLM).
+VLLM_L4_QWEN3_4B_KV_TOKENS = {"bf16": 83_488, "fp8": 166_992}
 
 _KEY_DIM = {"per-channel": 2, "per-token": 3}  # the dim of a [B, Hkv, S, D] tensor whose G elements share a scale
 _VALUE_DIM = 3
@@ -586,10 +590,12 @@ def check_codec_slopes(
         fix = "The cache's fitted slope over the fp32 sweep's: sweeps[name].fit.slope / sweeps['fp32'].fit.slope."
         _close(f"slope_ratios[{key!r}]", slope_ratios[key], ratio, "a ratio", fix, True, rel=1e-6, slips=slips)
 
+    latest = [sweeps]  # the measurement the band was last judged on
+
     def measure() -> list[str]:
-        again = remeasure()
-        _check_codec_sweeps(again, "remeasure()")
-        return _below_bytes(again)
+        latest[0] = remeasure()
+        _check_codec_sweeps(latest[0], "remeasure()")
+        return _below_bytes(latest[0])
 
     times = CODEC_REMEASURES if remeasure is not None else 0
     below = _measure_again(lambda problems: not problems, measure, times, value=_below_bytes(sweeps))
@@ -601,6 +607,42 @@ def check_codec_slopes(
             "The slopes are your sweeps' own, and no cache streams its bytes at twice the read bandwidth: check that "
             "each sweep used its own make_cache. If so, this is load from other processes during the timing: "
             "re-run the timing cell, then this one.",
+        )
+    _report_readability(latest[0], remeasure)
+
+
+READABLE_R2 = 0.8  # below this, fp32's small slope is mostly load, and every ratio over it moves with it
+
+
+def _report_readability(sweeps: Mapping[str, Sweep], remeasure: Callable[[], Mapping[str, Sweep]] | None) -> None:
+    """After the grade: whether the run showed the lesson's effect (codecs steeper than fp32). A noisy fp32 line is
+    timed again (up to ``CODEC_REMEASURES`` times); what was seen is printed, never graded."""
+    readable = sweeps if sweeps[_BASELINE].fit.r2 >= READABLE_R2 else None
+    for _ in range(CODEC_REMEASURES if readable is None and remeasure is not None else 0):
+        again = remeasure()
+        _check_codec_sweeps(again, "remeasure()")
+        if again[_BASELINE].fit.r2 >= READABLE_R2:
+            readable = again
+            break
+    if readable is None:
+        print(
+            f"Not seen on this run: fp32's line stayed noisy (R² below {READABLE_R2}), so the ratios cannot say "
+            "whether "
+            "the quantized caches are steeper here. Your grade does not depend on it; re-run the timing cell when "
+            "the machine is quieter to read it."
+        )
+        return
+    base = readable[_BASELINE].fit.slope
+    ratios = {k: s.fit.slope / base for k, s in readable.items() if k != _BASELINE}
+    shown = ", ".join(f"{k} {r:.1f}x" for k, r in ratios.items())
+    if readable is not sweeps:
+        print(f"fp32's line was noisy; timed again with a readable one: slopes over fp32's {shown}.")
+    flatter = [k for k, r in ratios.items() if r < 1]
+    if flatter:
+        print(
+            f"On this run {', '.join(flatter)} came out flatter than fp32: not what section 3 describes for this "
+            "kind of CPU. Your grade does not depend on it; section 4's measurement of the dequantizing work says "
+            "whether this machine hides it."
         )
 
 
