@@ -327,3 +327,10 @@ def test_throughput_latency_with_exclusive_quantiles_is_named():
         return {"output_tokens_per_s": report.output_tokens_per_s, "p50_tpot_ms": q[49], "p99_tpot_ms": q[98]}
 
     assert_fails(checks.check_throughput_latency, exclusive, match="exclusive")
+
+
+def test_batch_reading_does_not_see_an_intercept_that_shrank():
+    """A quick run at load 8: straight lines, the slope x5.9, the intercept extrapolated below zero (x-0.07)."""
+    shrunk = lines(4, 4 * 5e-4 * 1.48, -0.07 * 3.0)
+    seen = checks.batch_reading(CONTEXTS, shrunk)
+    assert not seen.seen and "shrank" in str(seen)

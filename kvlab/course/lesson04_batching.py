@@ -23,6 +23,7 @@ __all__ = [
     "BATCH_MIN_R2",
     "KV_RATIO_SEEN",
     "WEIGHT_RATIO_SEEN_MAX",
+    "WEIGHT_RATIO_SEEN_MIN",
     "batch_reading",
     "check_allocation_waste",
     "check_batch_ratios",
@@ -93,8 +94,11 @@ def check_step_bytes(
 #   its slope and intercept then say more about the load than about bytes;
 # - the slope grew by a factor of B within KV_RATIO_SEEN (as a share of B): each sequence streams its own K/V;
 # - the intercept grew less than the slope did, and less than WEIGHT_RATIO_SEEN_MAX x B: the weights are read once
-#   for the whole batch. (It grows at all because one thread of a CPU runs small-batch matmuls near its FLOP limit;
-#   were the weights read once per sequence, it would grow B times, as the slope does.)
+#   for the whole batch; and it did not shrink below WEIGHT_RATIO_SEEN_MIN x batch 1's, which would mean a step of B
+#   sequences ran twice as fast as a step of one: only a line bent or tilted by load gives that (a quick run at load
+#   8 gave weight_ratio -0.07 on lines of R² 0.98: an intercept extrapolated across the zero). The intercept grows at
+#   all because one thread of a CPU runs small-batch matmuls near its FLOP limit; were the weights read once per
+#   sequence, it would grow B times, as the slope does.
 # Measured with correct code on the course's 2-core AMD EPYC (Zen 3, 32 MiB L3), one thread, B = 4, contexts 1k-4k,
 # other jobs sharing the cores (load average 2-14): cpu-tiny in quick mode gave kv_ratio / B 0.39-1.94 (median 1.02)
 # and weight_ratio 1.17-3.65 (median 1.66) over 76 runs; cpu-small in full mode kv_ratio / B 0.78-1.16 and
@@ -103,6 +107,7 @@ def check_step_bytes(
 BATCH_MIN_R2 = 0.9
 KV_RATIO_SEEN = (0.5, 2.0)  # kv_ratio / B
 WEIGHT_RATIO_SEEN_MAX = 0.95  # weight_ratio / B; and weight_ratio < kv_ratio
+WEIGHT_RATIO_SEEN_MIN = 0.5  # weight_ratio
 
 TpotByBatch = Mapping[int, Sequence[float]]  # batch -> TPOT (ms) at each of the contexts
 
@@ -126,6 +131,8 @@ def batch_reading(contexts: Sequence[int], tpot_ms: TpotByBatch) -> Reading:
         unmet.append(f"the slope grew {kv_ratio:.2f}x, outside {low * batch:g}-{high * batch:g}x for B = {batch}")
     if not weight_ratio < kv_ratio:
         unmet.append(f"the intercept grew {weight_ratio:.2f}x, no less than the slope: the opposite of the lesson")
+    elif weight_ratio < WEIGHT_RATIO_SEEN_MIN:
+        unmet.append(f"the intercept shrank to {weight_ratio:.2f}x batch 1's: a bent line, not a cheaper step")
     elif weight_ratio > WEIGHT_RATIO_SEEN_MAX * batch:
         unmet.append(f"the intercept grew {weight_ratio:.2f}x, close to B = {batch}: no sharing of the weights shows")
     numbers = f"slope x{kv_ratio:.2f} and intercept x{weight_ratio:.2f} from batch 1 to {batch}, lowest R² {r2:.2f}"
