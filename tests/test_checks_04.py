@@ -334,3 +334,16 @@ def test_batch_reading_does_not_see_an_intercept_that_shrank():
     shrunk = lines(4, 4 * 5e-4 * 1.48, -0.07 * 3.0)
     seen = checks.batch_reading(CONTEXTS, shrunk)
     assert not seen.seen and "shrank" in str(seen)
+
+
+def test_retake_measures_again_while_unreadable_and_stops_at_takes():
+    """The measurement cell's retake: the batch lines measured again until readable, at most TAKES times."""
+    bent = lines(4, 4 * 5e-4 * 1.76 / 4, 3.0 * 3.65)
+    queue = [bent, bent, GOOD, GOOD]
+    data, seen = checks.retake(lambda: queue.pop(0), lambda t: checks.batch_reading(CONTEXTS, t))
+    assert data is GOOD and seen.seen and seen.takes == 3 and "measurement 3 of at most" in str(seen)
+    calls = []
+    data, seen = checks.retake(lambda: calls.append(1) or bent, lambda t: checks.batch_reading(CONTEXTS, t))
+    assert len(calls) == checks.TAKES and not seen.seen and "NOT READABLE" in str(seen)
+    with pytest.raises(ValueError, match="takes"):
+        checks.retake(lambda: GOOD, lambda t: checks.batch_reading(CONTEXTS, t), takes=0)
