@@ -14,10 +14,11 @@ does both); report percentiles, not one run, because a shared machine's timings 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from itertools import pairwise
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -26,6 +27,8 @@ from kvlab.model import Decoder
 from kvlab.roofline import predict_tpot_ms, weight_bytes_read
 from kvlab.stats import PERCENTILES, latency_summaries, percentile, summarize  # noqa: F401 (re-exported)
 from kvlab.timing import Bandwidth, Stopwatch, machine_info, measure_bandwidth
+
+K = TypeVar("K", bound=Hashable)  # the key naming an arm of an interleaved sweep
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,11 @@ class Sweep:
 
     @property
     def fit(self) -> Fit:
-        """TPOT (ms) against context (tokens)."""
+        """TPOT (ms) against context (tokens); a sweep of one context has no line (``ValueError``)."""
+        if len(self.points) < 2:
+            raise ValueError(
+                f"contexts: one ({self.points[0].context}); a slope and an intercept need at least two contexts"
+            )
         return fit_line([p.context for p in self.points], [p.tpot_ms for p in self.points])
 
     @property
@@ -149,7 +156,14 @@ class Sweep:
         return predict_tpot_ms(self.weight_bytes_read, self.bandwidth.read_gbps)
 
     def summary(self) -> dict[str, float]:
-        """The fit next to the prediction, and the share of the read bandwidth each term reached."""
+        """The fit next to the prediction, and the share of the read bandwidth each term reached; with one context
+        there is no line, and only the predictions are given."""
+        predicted = {
+            "predicted_slope_us_per_token": self.predicted_slope_us_per_token,
+            "predicted_intercept_ms": self.predicted_intercept_ms,
+        }
+        if len(self.points) < 2:
+            return predicted
         fit = self.fit
         slope_us = fit.slope * 1e3
         return {
@@ -214,14 +228,15 @@ class Sweep:
             capsize=3,
             label="measured TPOT (median, bar to p90)",
         )
-        fit = self.fit
-        ax.plot(
-            ctx,
-            [fit.slope * c + fit.intercept for c in ctx],
-            "-",
-            alpha=0.6,
-            label=f"fit: {fit.slope * 1e3:.2f} µs/token, R²={fit.r2:.3f}",
-        )
+        if len(self.points) >= 2:
+            fit = self.fit
+            ax.plot(
+                ctx,
+                [fit.slope * c + fit.intercept for c in ctx],
+                "-",
+                alpha=0.6,
+                label=f"fit: {fit.slope * 1e3:.2f} µs/token, R²={fit.r2:.3f}",
+            )
         ax.plot(
             ctx,
             [p.predicted_tpot_ms for p in self.points],
@@ -240,6 +255,108 @@ class Sweep:
         return ax
 
 
+@dataclass(frozen=True)
+class Arm:
+    """One of the things an interleaved sweep times: a model, the cache it decodes with (``None``: the model's
+    default cache), and the batch of sequences each request decodes."""
+
+    model: Decoder
+    make_cache: CacheFactory | None = None
+    batch: int = 1
+
+
+def interleaved_sweeps(
+    arms: Mapping[K, Arm],
+    contexts: Sequence[int],
+    n_tokens: int = 16,
+    n_requests: int = 3,
+    fill: str = "fast",
+    warmup_steps: int = 3,
+    bandwidth: Bandwidth | None = None,
+    progress: bool = True,
+) -> dict[K, Sweep]:
+    """One ``Sweep`` per arm: TPOT at each context length, ``n_requests`` requests of ``n_tokens`` tokens each.
+
+    Every (context, arm) pair is visited round-robin, one request each per pass, after one warm-up pass: a burst of
+    load from elsewhere on the machine then slows one request of every pair instead of every request of one pair, and
+    the median per pair drops it. Two arms compared this way shared the machine's state request by request, which
+    timing them one after the other (or one context at a time) does not give. ``fill="fast"`` fills each request's
+    fresh cache with random K/V (a step's time depends on the bytes, not their values); ``fill="prefill"`` runs a
+    real prefill of random tokens, and TTFT then includes it.
+
+    The prediction divides bytes by the read bandwidth (a decode step reads; it hardly writes), measured once for all
+    arms in the same run unless given, so that it shares the machine's state and thread count; every Sweep returned
+    holds that one ``Bandwidth`` object. A ``bandwidth`` measured with another thread count than torch uses now is
+    refused.
+    """
+    from tqdm.auto import tqdm
+
+    if fill not in ("fast", "prefill"):
+        raise ValueError(f"fill: {fill!r}; allowed: 'fast', 'prefill'")
+    if not arms:
+        raise ValueError("arms: empty; allowed: one or more kvlab.bench.Arm")
+    contexts = sorted(set(contexts))
+    if not contexts or contexts[0] < 1:
+        raise ValueError(f"contexts: {contexts}; allowed: one or more positive token counts")
+    if n_tokens < 2:
+        raise ValueError(f"n_tokens: {n_tokens}; allowed: an integer >= 2 (TPOT needs two tokens)")
+    if n_requests < 1:
+        raise ValueError(f"n_requests: {n_requests}; allowed: an integer >= 1")
+    device = next(iter(arms.values())).model.device
+    if bandwidth is None:
+        bandwidth = measure_bandwidth(device)
+    elif device.type == "cpu" and bandwidth.threads not in (None, torch.get_num_threads()):
+        raise ValueError(
+            f"bandwidth: measured with {bandwidth.threads} threads; allowed: one measured with the "
+            f"{torch.get_num_threads()} threads torch uses now (measure it again after set_num_threads)"
+        )
+    gen = torch.Generator().manual_seed(0)
+    factories = {key: arm.make_cache or default_cache for key, arm in arms.items()}
+    for key, arm in arms.items():
+        _warm_up(arm.model, factories[key], arm.batch, warmup_steps)
+    requests: dict[tuple[int, K], list[RequestTiming]] = {(c, key): [] for c in contexts for key in arms}
+    step_bytes: dict[tuple[int, K], int] = {}
+    kv_per_token: dict[K, float] = {}
+    total = (n_requests + 1) * len(requests)
+    cache = None
+    with tqdm(total=total, desc="context sweep", unit="req", disable=not progress) as bar:
+        for round_ in range(n_requests + 1):  # round 0 warms every pair's shapes and is not kept
+            for context, key in requests:
+                arm = arms[key]
+                del cache  # the previous slab must go before the next one is allocated
+                cache = factories[key](arm.model, arm.batch, context + n_tokens)
+                prompt = _fill(arm.model, cache, context, fill, gen)
+                timing = time_request(arm.model, cache, n_tokens, prompt)
+                if round_:
+                    requests[context, key].append(timing)
+                weights = weight_bytes_read(arm.model.cfg, batch=arm.batch)
+                step_bytes[context, key] = weights + cache.bytes_read_per_step(context)
+                kv_per_token[key] = cache.bytes_per_token
+                bar.update()
+    return {
+        key: Sweep(
+            model=arm.model.cfg.name,
+            device=str(arm.model.device),
+            batch=arm.batch,
+            fill=fill,
+            bandwidth=bandwidth,
+            kv_bytes_per_token=kv_per_token[key],
+            weight_bytes_read=weight_bytes_read(arm.model.cfg, batch=arm.batch),
+            points=[
+                SweepPoint(
+                    c,
+                    arm.batch,
+                    requests[c, key],
+                    step_bytes[c, key],
+                    predict_tpot_ms(step_bytes[c, key], bandwidth.read_gbps),
+                )
+                for c in contexts
+            ],
+        )
+        for key, arm in arms.items()
+    }
+
+
 def sweep_context(
     model: Decoder,
     contexts: Sequence[int],
@@ -252,64 +369,13 @@ def sweep_context(
     make_cache: CacheFactory | None = None,
     progress: bool = True,
 ) -> Sweep:
-    """Measure TPOT at each context length, ``n_requests`` requests of ``n_tokens`` tokens each.
-
-    The contexts are visited round-robin, one request each per pass, after one warm-up pass: a burst of load from
-    elsewhere on the machine then slows one request at every context instead of every request at one, and the
-    median per context drops it. ``fill="fast"`` fills the cache with random K/V (a step's time depends on the
-    bytes, not their values); ``fill="prefill"`` runs a real prefill of random tokens, and TTFT then includes it.
-
-    The prediction divides bytes by the read bandwidth (a decode step reads; it hardly writes), measured in the
-    same run unless given, so that it shares the machine's state and thread count. A ``bandwidth`` measured with
-    another thread count than torch uses now is refused.
-    """
-    from tqdm.auto import tqdm
-
-    if fill not in ("fast", "prefill"):
-        raise ValueError(f"fill: {fill!r}; allowed: 'fast', 'prefill'")
-    contexts = sorted(set(contexts))
-    if not contexts or contexts[0] < 1:
-        raise ValueError(f"contexts: {contexts}; allowed: one or more positive token counts")
-    if n_tokens < 2:
-        raise ValueError(f"n_tokens: {n_tokens}; allowed: an integer >= 2 (TPOT needs two tokens)")
-    make_cache = make_cache or default_cache
-    if bandwidth is None:
-        bandwidth = measure_bandwidth(model.device)
-    elif model.device.type == "cpu" and bandwidth.threads not in (None, torch.get_num_threads()):
-        raise ValueError(
-            f"bandwidth: measured with {bandwidth.threads} threads; allowed: one measured with the "
-            f"{torch.get_num_threads()} threads torch uses now (measure it again after set_num_threads)"
-        )
-    gen = torch.Generator().manual_seed(0)
-    _warm_up(model, make_cache, batch, warmup_steps)
-    requests: dict[int, list[RequestTiming]] = {context: [] for context in contexts}
-    step_bytes: dict[int, int] = {}
-    cache = None
-    with tqdm(total=(n_requests + 1) * len(contexts), desc="context sweep", unit="req", disable=not progress) as bar:
-        for round_ in range(n_requests + 1):  # round 0 warms every context's shapes and is not kept
-            for context in contexts:
-                del cache  # the previous slab must go before the next one is allocated
-                cache = make_cache(model, batch, context + n_tokens)
-                prompt = _fill(model, cache, context, fill, gen)
-                timing = time_request(model, cache, n_tokens, prompt)
-                if round_:
-                    requests[context].append(timing)
-                step_bytes[context] = weight_bytes_read(model.cfg, batch=batch) + cache.bytes_read_per_step(context)
-                bar.update()
-    points = [
-        SweepPoint(c, batch, requests[c], step_bytes[c], predict_tpot_ms(step_bytes[c], bandwidth.read_gbps))
-        for c in contexts
-    ]
-    return Sweep(
-        model=model.cfg.name,
-        device=str(model.device),
-        batch=batch,
-        fill=fill,
-        bandwidth=bandwidth,
-        kv_bytes_per_token=cache.bytes_per_token,
-        weight_bytes_read=weight_bytes_read(model.cfg, batch=batch),
-        points=points,
-    )
+    """``interleaved_sweeps`` of one arm: the contexts visited round-robin, one request each per pass. To compare
+    models, caches or batches, time them together with ``interleaved_sweeps``, never one ``sweep_context`` per
+    context (that bunches each context's requests together in time, and loses the round-robin)."""
+    arm = Arm(model, make_cache, batch)
+    return interleaved_sweeps(
+        {model.cfg.name: arm}, contexts, n_tokens, n_requests, fill, warmup_steps, bandwidth, progress
+    )[model.cfg.name]
 
 
 def _fill(model: Decoder, cache: KVCache, context: int, fill: str, gen: torch.Generator) -> torch.Tensor | None:

@@ -37,6 +37,7 @@ from kvlab.course.lesson02_roofline import (
 from kvlab.course.lesson03_measuring_tpot import (
     AB_MIN_RATIO,
     SLOPE_BAND,
+    SLOPE_MIN_R2,
     check_ab_slopes,
     check_concat_cache,
     check_crossover_context,
@@ -44,10 +45,14 @@ from kvlab.course.lesson03_measuring_tpot import (
     check_percentile,
     check_request_metrics,
     check_slope_band,
+    slope_reading,
 )
 from kvlab.course.lesson04_batching import (
-    KV_RATIO_BAND,
-    WEIGHT_RATIO_BAND,
+    BATCH_MIN_R2,
+    KV_RATIO_SEEN,
+    WEIGHT_RATIO_SEEN_MAX,
+    WEIGHT_RATIO_SEEN_MIN,
+    batch_reading,
     check_allocation_waste,
     check_batch_ratios,
     check_max_batch_for_memory,
@@ -70,8 +75,10 @@ from kvlab.course.lesson05_prefix_caching import (
 )
 from kvlab.course.lesson06_gqa_mqa_mla import (
     ABSORBED_MAX_SHARE,
-    LAYOUT_MAX_RATIO,
+    ABSORBED_NAIVE_MIN_R2,
     LAYOUT_MIN_OF_BYTES,
+    LAYOUT_MIN_R2,
+    absorbed_reading,
     check_absorbed_intensity,
     check_absorbed_share,
     check_absorbed_step,
@@ -80,10 +87,12 @@ from kvlab.course.lesson06_gqa_mqa_mla import (
     check_predict_layouts,
     check_query_side,
     check_split_slope,
+    layout_reading,
 )
 from kvlab.course.lesson07_window_sinks import (
     EVICTED_MAX_RECALL,
     KEPT_MIN_RECALL,
+    WINDOW_FULL_MIN_R2,
     WINDOW_MAX_SHARE,
     check_kept_positions,
     check_largest_distance,
@@ -93,6 +102,7 @@ from kvlab.course.lesson07_window_sinks import (
     check_sink_gain,
     check_window_bytes_read,
     check_window_share,
+    window_reading,
 )
 from kvlab.course.lesson08_heavy_hitters import (
     check_break_even_steps,
@@ -122,25 +132,35 @@ from kvlab.course.lesson10_speculative_decoding import (
     check_spec_roofline,
 )
 from kvlab.course.lesson11_capstone_incident import check_fix, check_grown_term, check_pool_tokens, check_step_terms
+from kvlab.course.measured import TAKES, retake
 
 __all__ = [
+    "TAKES",
+    "retake",
     "ABSORBED_MAX_SHARE",
+    "ABSORBED_NAIVE_MIN_R2",
     "AB_MIN_RATIO",
+    "BATCH_MIN_R2",
     "CASCADE_MAX_RATIO",
     "CODEC_MIN_OF_BYTES",
     "COPY_BAND",
     "EVICTED_MAX_RECALL",
     "KEPT_MIN_RECALL",
-    "KV_RATIO_BAND",
-    "LAYOUT_MAX_RATIO",
+    "KV_RATIO_SEEN",
     "LAYOUT_MIN_OF_BYTES",
+    "LAYOUT_MIN_R2",
     "SLOPE_BAND",
+    "SLOPE_MIN_R2",
     "TPOT_BAND",
     "TTFT_MIN_TRACKING",
     "VLLM_L4_QWEN3_4B",
     "VLLM_L4_QWEN3_4B_KV_TOKENS",
-    "WEIGHT_RATIO_BAND",
+    "WEIGHT_RATIO_SEEN_MAX",
+    "WEIGHT_RATIO_SEEN_MIN",
+    "WINDOW_FULL_MIN_R2",
     "WINDOW_MAX_SHARE",
+    "absorbed_reading",
+    "batch_reading",
     "check_ab_slopes",
     "check_absorbed_intensity",
     "check_absorbed_share",
@@ -218,6 +238,9 @@ __all__ = [
     "check_weight_bytes",
     "check_window_bytes_read",
     "check_window_share",
+    "layout_reading",
     "quick_mode",
     "setup_lesson",
+    "slope_reading",
+    "window_reading",
 ]

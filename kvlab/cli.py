@@ -473,7 +473,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for p in sweep.points:
         print(f"{p.context:>8}  {p.tpot_ms:>8.2f}  {p.metrics()['p99_tpot_ms']:>8.2f}  {p.predicted_tpot_ms:>12.2f}")
     s = sweep.summary()
-    if len(sweep.points) >= 2:
+    if len(sweep.points) < 2:
+        print("one context: no line to fit; give --contexts two or more lengths for the slope and the intercept")
+    else:
         print(
             f"fit: {s['slope_us_per_token']:.3f} us/token (predicted {s['predicted_slope_us_per_token']:.3f}), "
             f"intercept {s['intercept_ms']:.2f} ms (predicted {s['predicted_intercept_ms']:.2f}), R^2 {s['r2']:.4f}"

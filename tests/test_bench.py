@@ -1,12 +1,15 @@
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
 from kvlab import Decoder
-from kvlab.bench import RequestTiming, fit_line, percentile, summarize, sweep_context
+from kvlab.bench import Arm, RequestTiming, fit_line, interleaved_sweeps, percentile, summarize, sweep_context
 from kvlab.breakdown import breakdown, report
+from kvlab.roofline import weight_bytes_read
 from kvlab.timing import Bandwidth
 
 from .helpers import tiny_config
@@ -92,6 +95,60 @@ def test_sweep_visits_contexts_round_robin_and_keeps_all_but_the_warm_up_round()
     # one warm-up cache first, then three rounds (one warm-up, two kept) over both contexts in order
     assert visits == [3] + [16 + 3, 64 + 3] * 3
     assert [len(p.requests) for p in sweep.points] == [2, 2]
+
+
+def test_interleaved_sweeps_visit_every_context_and_arm_in_turn_against_one_bandwidth():
+    model = Decoder(tiny_config(max_seq_len=512), device="cpu")
+    visits = []
+
+    def recording(name):
+        def make_cache(m, batch, capacity):
+            visits.append((name, batch, capacity))
+            return m.new_cache(batch, capacity)
+
+        return make_cache
+
+    arms = {"one": Arm(model, recording("one")), "two": Arm(model, recording("two"), batch=2)}
+    sweeps = interleaved_sweeps(arms, [64, 16], n_tokens=3, n_requests=2, progress=False)
+    # each arm's warm-up cache, then three rounds (one warm-up, two kept): every context, every arm in it, in turn
+    passes = [(name, batch, c + 3) for c in (16, 64) for name, batch in (("one", 1), ("two", 2))]
+    assert visits == [("one", 1, 3), ("two", 2, 3)] + passes * 3
+    assert sweeps["one"].bandwidth is sweeps["two"].bandwidth
+    assert [s.batch for s in sweeps.values()] == [1, 2]
+    assert all(len(p.requests) == 2 for s in sweeps.values() for p in s.points)
+    # batch 2 reads its own weight bytes (one more embedding row) and twice the K/V of batch 1 at each context
+    one, two = sweeps["one"], sweeps["two"]
+    extra = [t.bytes_per_step - o.bytes_per_step for o, t in zip(one.points, two.points, strict=True)]
+    rows = two.weight_bytes_read - one.weight_bytes_read
+    assert rows == weight_bytes_read(model.cfg, batch=2) - weight_bytes_read(model.cfg) > 0
+    assert extra == [rows + c * one.kv_bytes_per_token for c in (16, 64)]
+
+
+def test_interleaved_sweeps_reject_bad_arguments():
+    model = Decoder(tiny_config(), device="cpu")
+    with pytest.raises(ValueError, match="arms"):
+        interleaved_sweeps({}, [8])
+    with pytest.raises(ValueError, match="n_requests"):
+        interleaved_sweeps({"a": Arm(model)}, [8], n_requests=0)
+
+
+def test_a_sweep_of_one_context_has_no_line_and_says_so():
+    model = Decoder(tiny_config(max_seq_len=512), device="cpu")
+    sweep = sweep_context(model, [32], n_tokens=2, n_requests=1, progress=False)
+    with pytest.raises(ValueError, match="at least two contexts"):
+        sweep.fit  # noqa: B018
+    assert set(sweep.summary()) == {"predicted_slope_us_per_token", "predicted_intercept_ms"}
+    assert sweep.to_dict()["points"][0]["context"] == 32
+
+
+def test_bench_of_one_context_prints_its_tpot_and_says_there_is_no_line(tmp_path):
+    """Runs the installed entry point, as a learner would."""
+    cmd = [sys.executable, "-m", "kvlab.cli", "bench", "--preset", "cpu-tiny", "--contexts", "128"]
+    cmd += ["--tokens", "3", "--requests", "1", "--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "no line to fit" in result.stdout and "Traceback" not in result.stderr
+    assert [p["context"] for p in json.loads((tmp_path / "b.json").read_text())["points"]] == [128]
 
 
 def test_sweep_refuses_a_bandwidth_measured_with_other_threads():

@@ -485,7 +485,7 @@ def check_blocks_needed(
             _fail(label, got, "a tuple (without_sharing, with_sharing)", "Return two ints.")
         whole, full, ceil_system = math.ceil((system + user) / size), system // size, math.ceil(system / size)
         apart = "A session's tokens fill its blocks in order: its own tokens first fill the system prompt's last block."
-        fix = "Each session holds ceil((system_len + user_len) / block_size) blocks of its own." + source
+        fix = "Without sharing, each session holds whole blocks for all its tokens, system prompt included." + source
         slips = ((n * (ceil_system + math.ceil(user / size)), apart),)
         _exact_int(f"{label}[0] (without sharing)", got[0], want[0], "blocks", fix, show, slips)
         fix = (
@@ -592,10 +592,10 @@ def check_cascade_bytes(fn: Callable[[int, int, int, int], tuple[int, int]], cas
         got = _call(label, fn, batch, prefix, suffix, kv)
         if not (isinstance(got, tuple) and len(got) == 2):
             _fail(label, got, "a tuple (per_row, cascade)", "Return two ints.")
-        fix = "Every row reads its whole context: batch x (prefix_len + suffix_len) x kv_bytes_per_token."
+        fix = "Without cascade, every row reads its whole context (prefix and suffix) on its own."
         slips = (((prefix + suffix) * kv, "That is one row's read: multiply by the batch."),)
         _exact_int(f"{label}[0] (per row)", got[0], per_row, "bytes", fix, reveal, slips)
-        fix = "The prefix once for the batch, each row's suffix on its own: (prefix_len + batch x suffix_len) x kv."
+        fix = "With cascade, the shared prefix is read once for the whole batch, and each row's suffix on its own."
         slips = (
             (per_row, "That is the per-row read: the cascade reads the shared prefix once, not once per row."),
             ((prefix + suffix) * kv, "Each row still reads its own suffix: batch x suffix_len tokens."),
