@@ -58,9 +58,12 @@ c.JupyterHub.cookie_secret_file = str(STATE / "jupyterhub_cookie_secret")
 c.JupyterHub.pid_file = str(STATE / "jupyterhub.pid")
 c.ConfigurableHTTPProxy.pid_file = str(STATE / "jupyterhub-proxy.pid")
 # PyPI's configurable-http-proxy (pure Python, installed with the course) beside this interpreter, else npm's on PATH.
+# PyPI's reads a whole response before it passes it on, so a stream (the progress bar of a starting server) reaches
+# the browser only when it ends; without a longer limit than its default 20 s it would be cut before a slow server
+# is up, and the student would wait on that page forever.
 proxy = shutil.which("configurable-http-proxy", path=os.pathsep.join([SCRIPTS, os.environ.get("PATH", "")]))
 if proxy:
-    c.ConfigurableHTTPProxy.command = [proxy]
+    c.ConfigurableHTTPProxy.command = [proxy, "--proxy-timeout", str(600_000)]  # milliseconds
 
 if ipaddress.ip_address(IP).is_loopback:
     c.JupyterHub.authenticator_class = "dummy"  # any name, any password: only people on this machine can reach it

@@ -85,7 +85,7 @@ def _cell(kind: str, source: str, grade_id: str | None = None, **flags) -> nbfor
     return cell
 
 
-FIRST_CELL_OUTPUT = "the kernel adds: 4950"
+FIRST_CELL_OUTPUT = f"the kernel adds: {sum(range(100))}"  # what the lesson's first code cell prints
 
 
 def write_lesson(root: Path) -> None:
