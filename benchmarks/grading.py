@@ -1,0 +1,130 @@
+"""CPU seconds to autograde one submission of each lesson, as the grader runs it (quick mode), and what a class costs.
+
+    python benchmarks/grading.py                          # every lesson
+    python benchmarks/grading.py 04_batching 11_capstone_incident --students 2 --class-size 200
+
+Each lesson is released into a temporary copy of the course, a submission answered with the solution's code is
+collected ``--students`` times (as that many students), and ``python -m autograde autograde LESSON`` grades them.
+The CPU time is that command's and every process it waited for (nbgrader and each notebook's kernel, read with
+``resource.getrusage(RUSAGE_CHILDREN)``), divided by the number of submissions; it includes one nbgrader start-up
+per lesson (several seconds), which a class shares, so ``--students 2`` or more shows the marginal cost better.
+CPU seconds depend far less on other load than wall seconds do, but a busy machine still inflates them a little
+(cache misses, and timing loops in the lessons that run until they have enough samples); the load average is
+printed beside the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import nbformat
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from autograde.cli import lesson_names  # noqa: E402 (the repository root is put on the path first)
+
+TARGET_CPU_S = 30.0
+SOLUTION_MARKER = re.compile(r"(?m)^\s*### (BEGIN|END) SOLUTION\n?")
+
+
+def answered(root: Path, lesson: str, dest: Path) -> Path:
+    """The released ``lesson`` with the solution's code in each answer cell: a student who got everything right."""
+    solution = nbformat.read(root / "solutions" / lesson / f"{lesson}.ipynb", as_version=4)
+    answers = {
+        c.metadata.nbgrader["grade_id"]: SOLUTION_MARKER.sub("", c.source)
+        for c in solution.cells
+        if c.metadata.get("nbgrader", {}).get("solution")
+    }
+    nb = nbformat.read(root / "lessons" / lesson / f"{lesson}.ipynb", as_version=4)
+    for cell in nb.cells:
+        gid = cell.metadata.get("nbgrader", {}).get("grade_id")
+        if gid in answers:
+            cell.source = answers[gid]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, dest)
+    return dest
+
+
+def autograde(root: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "autograde", "--root", str(root), *args]
+    result = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(f"{' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def scores(root: Path) -> dict[tuple[str, str], str]:
+    """(lesson, student) -> "score/max" from the exported CSV."""
+    import csv
+
+    autograde(root, "export", "--to", str(root / "grades.csv"))
+    with open(root / "grades.csv", newline="") as f:
+        return {(r["assignment"], r["student_id"]): f"{r['score']}/{r['max_score']}" for r in csv.DictReader(f)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("lessons", nargs="*", help="lesson names (default: every lesson)")
+    parser.add_argument("--students", type=int, default=1, help="submissions graded per lesson (default 1)")
+    parser.add_argument("--class-size", type=int, default=200, help="students in the class (default 200)")
+    args = parser.parse_args()
+    known = lesson_names(REPO)
+    lessons = args.lessons or known
+    if unknown := sorted(set(lessons) - set(known)):
+        raise SystemExit(f"no lesson {', '.join(unknown)}; lessons: {', '.join(known)}")
+    if args.students < 1:
+        raise SystemExit("--students must be at least 1")
+    print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "course"
+        shutil.copytree(
+            REPO / "autograde",
+            root / "autograde",
+            ignore=shutil.ignore_patterns("gradebook.db", "submitted", "autograded", "feedback", "exports", "rel*"),
+        )
+        for lesson in lessons:
+            shutil.copytree(REPO / "solutions" / lesson, root / "solutions" / lesson)
+        autograde(root, "release", *lessons)
+        for lesson in lessons:
+            file = answered(root, lesson, Path(tmp) / "submissions" / f"{lesson}.ipynb")
+            for i in range(args.students):
+                autograde(root, "collect", f"student{i}", str(file))
+        header = (
+            f"{'lesson':24s} {'CPU s/sub':>9} {'wall s/sub':>10} {'CPU h/' + str(args.class_size):>9}  score  target"
+        )
+        print(header)
+        results = {}
+        for lesson in lessons:
+            cpu, wall = children_cpu_s(), time.perf_counter()
+            autograde(root, "autograde", lesson)
+            cpu, wall = (children_cpu_s() - cpu) / args.students, (time.perf_counter() - wall) / args.students
+            results[lesson] = (cpu, wall)
+        got = scores(root)
+        for lesson, (cpu, wall) in results.items():
+            verdict = "ok" if cpu <= TARGET_CPU_S else f"OVER {TARGET_CPU_S:.0f} s"
+            print(
+                f"{lesson:24s} {cpu:9.1f} {wall:10.1f} {cpu * args.class_size / 3600:9.2f}  "
+                f"{got[(lesson, 'student0')]:>5}  {verdict}"
+            )
+        total = sum(cpu for cpu, _ in results.values())
+        print(f"{'all listed':24s} {total:9.1f} {'':10s} {total * args.class_size / 3600:9.2f}")
+    print(f"load average at end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()
