@@ -1,5 +1,9 @@
 import sys
 
-from autograde.cli import main
+from autograde.lean import skip_unused_imports
+
+skip_unused_imports()
+
+from autograde.cli import main  # noqa: E402 (after the import it replaces)
 
 sys.exit(main())

@@ -17,6 +17,10 @@ c.CourseDirectory.autograded_directory = "autograde/autograded"
 c.CourseDirectory.feedback_directory = "autograde/feedback"
 c.CourseDirectory.db_url = "sqlite:///" + os.path.join(root, "autograde", "gradebook.db")
 
+# A student who deletes a test cell still has the answer graded: nbgrader puts the released cell back (after the
+# answer cell before it) instead of scoring it 0 with no grade. nbgrader restores only graded cells this way.
+c.OverwriteCells.add_missing_cells = True
+
 # Grading runs every notebook in quick mode (NBGRADER_EXECUTION is set); its slowest cell takes seconds, so a cell
 # that needs minutes has hung.
 c.Execute.timeout = 300

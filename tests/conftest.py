@@ -22,7 +22,7 @@ from autograde.cli import lesson_names
 
 REPO = Path(__file__).resolve().parent.parent
 LESSONS = lesson_names(REPO)
-GRADING_FILES = ("gradebook.db", "submitted", "autograded", "feedback", "exports", "release", "__pycache__")
+GRADING_FILES = ("gradebook.db", "submitted", "autograded", "feedback", "exports", "release", "releases", "__pycache__")
 # What an instructor who never activated the environment has on PATH: the system's directories only.
 BARE_ENV = {**os.environ, "PATH": os.defpath}
 

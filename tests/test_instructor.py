@@ -39,6 +39,8 @@ CHECK_KERNEL = (
     "import torch"
 )
 POINTS = {"check_answer": 2, "check_kernel": 1}
+DELETE = "(this cell is deleted)"
+RIGHT, WRONG = "def answer():\n    return 42", "def answer():\n    return 41"
 
 
 def cell(source: str, grade_id: str, points: int = 0, solution: bool = False) -> nbformat.NotebookNode:
@@ -80,7 +82,8 @@ def tiny_course(root: Path) -> Path:
 
 
 def student_copy(root: Path, dest: Path, answer: str, check_answer: str | None = None) -> Path:
-    """The released lesson, ``answer`` in its answer cell and, if given, ``check_answer`` in its test cell."""
+    """The released lesson, ``answer`` in its answer cell and, if given, ``check_answer`` in its test cell (which
+    ``DELETE`` deletes)."""
     nb = nbformat.read(root / "lessons" / TINY / f"{TINY}.ipynb", as_version=4)
     for c in nb.cells:
         grade_id = c.metadata.nbgrader["grade_id"]
@@ -88,6 +91,7 @@ def student_copy(root: Path, dest: Path, answer: str, check_answer: str | None =
             c.source = answer
         elif grade_id == "check_answer" and check_answer is not None:
             c.source = check_answer
+    nb.cells = [c for c in nb.cells if c.source != DELETE]
     dest.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, dest)
     return dest
@@ -111,14 +115,21 @@ def rows(root: Path) -> dict[tuple[str, str], dict[str, str]]:
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """The tiny course released and graded, with PATH cut to the system's: "good" answers right in a file named as
-    a browser names a second download; "tamper" answers wrong and edits the test cell to pass anyway."""
+    a browser names a second download; "tamper" answers wrong and edits the test cell to pass anyway; "deleter"
+    answers right and deletes the test cell; "absent" is on the roster and submits nothing."""
     root = tiny_course(tmp_path_factory.mktemp("tiny"))
     run_autograde(root, "release", env=BARE_ENV)
     scratch = tmp_path_factory.mktemp("students")
-    good = student_copy(root, scratch / f"{TINY} (1).ipynb", "def answer():\n    return 42")
-    tamper = student_copy(root, scratch / "tamper" / f"{TINY}.ipynb", "def answer():\n    return 41", "pass")
-    run_autograde(root, "collect", "good", str(good))
-    run_autograde(root, "collect", "tamper", str(tamper))
+    roster = scratch / "roster.csv"
+    roster.write_text(
+        "id,first_name,last_name,email\ngood,,,\ntamper,,,\ndeleter,,,\nabsent,Ada,Absent,ada@example.org\n"
+    )
+    run_autograde(root, "roster", str(roster))
+    good = student_copy(root, scratch / f"{TINY} (1).ipynb", RIGHT)
+    tamper = student_copy(root, scratch / "tamper" / f"{TINY}.ipynb", WRONG, "pass")
+    deleter = student_copy(root, scratch / "deleter" / f"{TINY}.ipynb", RIGHT, DELETE)
+    for student, file in (("good", good), ("tamper", tamper), ("deleter", deleter)):
+        run_autograde(root, "collect", student, str(file))
     result = run_autograde(root, "autograde", env=BARE_ENV)
     run_autograde(root, "export")
     return root, result.stdout + result.stderr
@@ -165,20 +176,96 @@ def test_export_before_any_release_is_refused(tmp_path):
 def test_scores_missing_and_timestamps_in_the_csv(graded):
     root, _ = graded
     got = rows(root)
-    assert set(got) == {(TINY, "good"), (TINY, "tamper")}
+    assert set(got) == {(TINY, "good"), (TINY, "tamper"), (TINY, "deleter"), (TINY, "absent")}
     assert float(got[(TINY, "good")]["score"]) == sum(POINTS.values())
     # The edited test cell is graded with its released text, which fails on 41.
     assert float(got[(TINY, "tamper")]["score"]) == POINTS["check_kernel"]
-    for row in got.values():
-        assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\+00:00", row["timestamp"]), row
+    # The deleted test cell is put back and graded: the right answer keeps its points.
+    assert float(got[(TINY, "deleter")]["score"]) == sum(POINTS.values())
+    for student in ("good", "tamper", "deleter"):
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\+00:00", got[(TINY, student)]["timestamp"])
+    absent = got[(TINY, "absent")]
+    assert (absent["timestamp"], absent["score"], absent["raw_score"]) == ("", "", "")
+    assert (absent["first_name"], absent["last_name"], absent["email"]) == ("Ada", "Absent", "ada@example.org")
 
 
 def test_autograde_names_only_the_test_cells_a_student_edited(graded):
     _, output = graded
     edits = [line for line in output.splitlines() if "edited" in line]
-    assert len(edits) == 1 and edits[0].rsplit(": ", 1)[1] == f"tamper {TINY} (check_answer)", output
+    expected = f"deleter {TINY} (check_answer); tamper {TINY} (check_answer)"
+    assert len(edits) == 1 and edits[0].rsplit(": ", 1)[1] == expected, output
     for noise in ("has changed!", "Removing existing", "without encryption", "Traceback"):
         assert noise not in output, output
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("name\nalice\n", "needs `id`"),
+        ("id,nickname\nalice,al\n", "may have first_name"),
+        ("id\n../etc\n", "line 2"),
+    ],
+)
+def test_a_bad_roster_is_refused_naming_what_is_wrong(graded_copy, tmp_path, text, says):
+    before = snapshot(graded_copy)
+    (tmp_path / "roster.csv").write_text(text)
+    result = run_autograde(graded_copy, "roster", str(tmp_path / "roster.csv"), check=False)
+    assert result.returncode == 1 and says in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert snapshot(graded_copy) == before
+
+
+def edited_line(output: str) -> str:
+    edits = [line for line in output.splitlines() if "edited" in line]
+    return edits[0] if edits else ""
+
+
+def test_a_test_edited_and_released_after_students_fetched_is_no_edit_of_theirs(graded_copy, tmp_path):
+    """The README's "edit a test, release, regrade": each submission is compared with the release its student
+    could have fetched (by submission time), so the earlier students are not named, and grading uses the new test."""
+    root = graded_copy
+    source = root / "solutions" / TINY / f"{TINY}.ipynb"
+    nb = nbformat.read(source, as_version=4)
+    [test] = [c for c in nb.cells if c.metadata.nbgrader["grade_id"] == "check_answer"]
+    test.source = test.source.replace("\n", "\n# a comment the instructor added\n", 1)
+    nbformat.write(nb, source)
+    assert "released" in run_autograde(root, "release").stdout
+    late = student_copy(root, tmp_path / f"{TINY}.ipynb", RIGHT)  # fetched the new release
+    run_autograde(root, "collect", "late", str(late))
+    output = run_autograde(root, "autograde").stdout
+    assert edited_line(output).rsplit(": ", 1)[1] == f"deleter {TINY} (check_answer); tamper {TINY} (check_answer)"
+    graded = nbformat.read(root / "autograde" / "autograded" / "good" / TINY / f"{TINY}.ipynb", as_version=4)
+    assert any("a comment the instructor added" in c.source for c in graded.cells)
+
+
+def test_export_refuses_a_grade_older_than_the_submission(graded_copy, tmp_path):
+    root = graded_copy
+    export = root / "autograde" / "exports" / "grades.csv"
+    before = export.read_bytes()
+    again = student_copy(root, tmp_path / f"{TINY}.ipynb", WRONG)
+    run_autograde(root, "collect", "good", str(again), "--time", "2031-01-02T03:04Z")
+    refused = run_autograde(root, "export", check=False)
+    assert refused.returncode == 1 and f"good {TINY}" in refused.stderr and "tamper" not in refused.stderr
+    assert export.read_bytes() == before
+    run_autograde(root, "autograde", "--student", "good")
+    run_autograde(root, "export")
+    assert rows(root)[(TINY, "good")]["timestamp"] == "2031-01-02 03:04:00+00:00"
+    assert float(rows(root)[(TINY, "good")]["score"]) == POINTS["check_kernel"]
+
+
+def test_parallel_grading_records_what_one_process_does(graded, graded_copy):
+    """Three submissions graded by two nbgrader processes at once, each into its own gradebook copy, then merged:
+    the export is the one sequential grading gave, and the course's gradebook is intact."""
+    root = graded_copy
+    (root / "autograde" / "exports" / "grades.csv").unlink()
+    output = run_autograde(root, "autograde", "--jobs", "2").stdout
+    run_autograde(root, "export")
+    assert rows(root) == rows(graded[0])
+    assert edited_line(output) == edited_line(graded[1])
+    assert "Warning" not in output
+    with sqlite3.connect(root / "autograde" / "gradebook.db") as db:
+        assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        assert db.execute("SELECT count(*) FROM submitted_assignment").fetchone() == (3,)
+    assert not [p for p in (root / "autograde").iterdir() if p.name.startswith("tmp")]
 
 
 def test_validate_reports_an_edited_test_cell_and_the_check_it_then_fails(graded, tmp_path):
@@ -220,10 +307,11 @@ def test_refused_rerelease_says_what_to_do_and_that_keeps_other_grades(graded_co
     write_solution(root, tiny_solution(cell("assert True", "check_new", 1)))
     refused = run_autograde(root, "release", check=False)
     assert refused.returncode == 1 and snapshot(root) == before
+    assert "Traceback" not in refused.stderr and 'File "' not in refused.stderr, refused.stderr
     commands = re.findall(r"^    (python -m autograde .*)$", refused.stderr, re.M)
     assert commands and "--drop-grades" in commands[0], refused.stderr
     released = run_autograde(root, *commands[0].split()[3:])
-    assert "dropped the grades of 2 submission(s)" in released.stdout
+    assert "dropped the grades of 3 submission(s)" in released.stdout
     lesson = nbformat.read(root / "lessons" / TINY / f"{TINY}.ipynb", as_version=4)
     assert "check_new" in {c.metadata.nbgrader["grade_id"] for c in lesson.cells}
     assert not list((root / "autograde" / "autograded").glob(f"*/{TINY}"))
@@ -231,3 +319,14 @@ def test_refused_rerelease_says_what_to_do_and_that_keeps_other_grades(graded_co
     with gradebook(root) as gb:
         assert [s.student.id for s in gb.find_assignment("01_other").submissions] == ["good"]
         assert gb.find_assignment(TINY).submissions == []
+
+
+def test_a_timed_out_cell_is_logged_with_its_student(graded_copy, tmp_path):
+    root = graded_copy
+    with open(root / "autograde" / "nbgrader_config.py", "a") as f:
+        f.write("\nc.Execute.timeout = 2\n")
+    slow = student_copy(root, tmp_path / f"{TINY}.ipynb", "def answer():\n    import time\n    time.sleep(60)")
+    run_autograde(root, "collect", "slow", str(slow))
+    result = run_autograde(root, "autograde", "--student", "slow", check=False)
+    errors = [line for line in result.stderr.splitlines() if "| ERROR]" in line]
+    assert errors and all("slow" in line for line in errors), result.stderr

@@ -6,6 +6,8 @@ from __future__ import annotations
 import datetime
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -107,3 +109,30 @@ def test_bad_arguments_are_refused_with_a_message(course, tmp_path, args, says):
     result = run_autograde(course, "collect", *(file if a == "FILE" else a for a in args), check=False)
     assert result.returncode != 0 and says in result.stderr and "Traceback" not in result.stderr
     assert submitted_files(course) == set()
+
+
+def test_another_lessons_notebook_is_refused_naming_both(course, tmp_path):
+    """Every lesson has a setup cell with the same grade_id; the lesson's own graded cells tell them apart."""
+    file = download(tmp_path, ONE, f"{ONE}.ipynb")
+    result = run_autograde(course, "collect", "erin", str(file), "--lesson", THREE, check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    [line] = result.stderr.splitlines()
+    assert ONE in line.split(str(file), 1)[1] and THREE in line, line
+    assert submitted_files(course) == set()
+
+
+def test_help_and_collect_pay_no_unused_import(course, tmp_path):
+    """--help imports nothing of nbgrader's; nbgrader's runs skip the grammar jsonschema would compile (lean.py)."""
+    for args in (["--help"], ["collect", "ann", str(download(tmp_path, ONE, f"{ONE}.ipynb"))]):
+        result = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "autograde", "--root", str(course), *args],
+            cwd=course,
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 0, result.stderr
+        imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if "|" in line}
+        # The module that compiles the grammar (an import refused at once still gets an importtime line).
+        assert "rfc3987_syntax.syntax_helpers" not in imported
+        if args == ["--help"]:
+            assert not {m for m in imported if m.split(".")[0] in ("nbgrader", "nbformat", "sqlalchemy")}
