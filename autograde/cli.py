@@ -73,7 +73,8 @@ REFUSED = re.compile(r"Cannot add or remove cells for notebook '([^']+)'")
 REFUSED_ASSIGNMENT = re.compile(r"Cannot modify existing assignment 'Assignment<([^>]+)>'")
 FAILED = re.compile(r"error processing assignment '([^']+)'")
 # The last line of a Python traceback: the exception and its message.
-EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.*)$", re.M)
+EXCEPTION_LINE = re.compile(r"^\s*(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.*)$", re.M)
+SEE_TRACEBACK = re.compile(r"see the (the )?above traceback")
 STDERR_LOCK = threading.Lock()
 EXCHANGE_ENV = "KVLAB_EXCHANGE"
 
@@ -134,8 +135,9 @@ def nbgrader(root: Path, *args: str, check: bool = True, tracebacks: bool = True
             log.append(line)
             if found := SUBMISSION_PATH.search(line):
                 about = found.groups()
-            in_traceback = line.startswith("Traceback (most recent call last)") or (in_traceback and line[:1].isspace())
-            if NOISE.search(line) or (in_traceback and not tracebacks):
+            # nbgrader logs a traceback as one log line followed by indented lines (and a blank one).
+            in_traceback = "Traceback (most recent call last)" in line or (in_traceback and line[:1].isspace())
+            if NOISE.search(line) or (not tracebacks and (in_traceback or SEE_TRACEBACK.search(line))):
                 continue
             if about and PROBLEM.search(line) and about[0] not in line:
                 line = f"{line.rstrip()} [{about[0]} {about[1]}]\n"
