@@ -106,25 +106,26 @@ def write_lesson(root: Path) -> None:
     nbformat.write(nb, folder / f"{LESSON}.ipynb")
 
 
-def course_with_lesson(root: Path) -> Path:
+def course_with_lesson(root: Path, exchange: Path) -> Path:
     """A temporary course (the repository's ``autograde/``, no real lesson) whose only lesson is ``hub_check``,
-    released to its lessons/ by ``python -m autograde release``."""
+    released to its lessons/ and published to ``exchange`` by ``python -m autograde release``."""
     course_copy(root, lessons=())
     write_lesson(root)
-    instructor(root, "-m", "autograde", "--root", str(root), "release", LESSON)
+    instructor(root, exchange, "release", LESSON)
     return root
 
 
-def instructor(root: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 600) -> str:
-    """Run ``python *args`` in the course at ``root`` as the instructor does; return its output, fail on error."""
-    from autograde.cli import kernel_env
-
+def instructor(root: Path, exchange: Path, *args: str, timeout: float = 600) -> str:
+    """``python -m autograde *args`` on the course at ``root``, as an instructor who set ``KVLAB_EXCHANGE`` once
+    (README.md, "Running a class") and activated no environment; its output, or fail."""
+    env = {**os.environ, "KVLAB_EXCHANGE": str(exchange), "PATH": os.defpath}
     result = subprocess.run(
-        [sys.executable, *args], cwd=root, env={**kernel_env(root), **(env or {})}, capture_output=True, text=True,
-        timeout=timeout,
+        [sys.executable, "-m", "autograde", "--root", str(root), *args], cwd=root, env=env, capture_output=True,
+        text=True, timeout=timeout,
     )
     if result.returncode:
-        pytest.fail(f"{' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}", pytrace=False)
+        pytest.fail(f"autograde {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}",
+                    pytrace=False)
     return result.stdout + result.stderr
 
 

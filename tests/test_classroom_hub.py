@@ -1,7 +1,8 @@
 """A class on the shipped one-machine hub, end to end on loopback: two students fetch and submit a lesson through
-nbgrader's exchange from their servers (the HTTP API the Assignments panel calls), the instructor collects, grades,
-returns feedback and exports with a roster that names a third student who never submitted; each student fetches
-their feedback. Then nothing the hub started may be left running or listening.
+nbgrader's exchange from their servers (the HTTP API the Assignments panel calls); the instructor collects, grades,
+returns feedback and exports, with a roster that names a third student who never submitted (``python -m autograde``
+release, collect --from-exchange, autograde, feedback, roster, export); each student fetches their feedback. Then
+nothing the hub started may be left running or listening.
 
 Needs ``jupyterhub`` and a ``configurable-http-proxy`` (the ``classroom`` extra; PyPI's proxy is pure Python, so no
 Node.js); skipped without them except under CI.
@@ -24,13 +25,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.classroom]
 ANSWERS = {"alice": "    return 2 * x", "bob": "    return x + 2"}  # bob's fails double(3) == 6
 SCORES = {"alice": POINTS, "bob": 0}
 ABSENT = "carol"
-
-
-def exchange_step(root: Path, exchange: Path, *args: str) -> str:
-    """One of nbgrader's exchange commands, run by the instructor on the course at ``root``."""
-    config = root / "autograde" / "nbgrader_config"
-    return instructor(root, "-m", "nbgrader", *args, f"--JupyterApp.config_file={config}",
-                      f"--Exchange.root={exchange}")
 
 
 def nbgrader_call(student: httpx.Client, action: str) -> dict:
@@ -59,9 +53,10 @@ def feedback_html(student: httpx.Client) -> str:
 
 def test_two_students_fetch_submit_and_get_feedback_through_the_hub(tmp_path: Path) -> None:
     need_hub()
-    root = course_with_lesson(tmp_path / "course")
     exchange = tmp_path / "exchange"
-    exchange_step(root, exchange, "release_assignment", LESSON)
+    root = course_with_lesson(tmp_path / "course", exchange)
+    roster = tmp_path / "roster.csv"
+    roster.write_text("id\n" + "".join(f"{name}\n" for name in [*ANSWERS, ABSENT]))
 
     with Hub(tmp_path, exchange) as hub:
         students = {name: hub.start_server(name) for name in ANSWERS}
@@ -77,13 +72,13 @@ def test_two_students_fetch_submit_and_get_feedback_through_the_hub(tmp_path: Pa
         inbound = sorted(p.name.split("+")[0] for p in (exchange / "kvlab" / "inbound").iterdir())
         assert inbound == sorted(ANSWERS)
 
-        exchange_step(root, exchange, "collect", LESSON, "--CollectApp.check_owner=False")
-        instructor(root, "-m", "autograde", "--root", str(root), "autograde", LESSON)
-        instructor(root, "-m", "autograde", "--root", str(root), "feedback", LESSON)
-        exchange_step(root, exchange, "release_feedback", LESSON)
-        exchange_step(root, exchange, "db", "student", "add", ABSENT)
+        collected = instructor(root, exchange, "collect", "--from-exchange", LESSON)
+        assert "cheating" not in collected, collected
+        instructor(root, exchange, "autograde", LESSON)
+        instructor(root, exchange, "feedback", LESSON)
+        instructor(root, exchange, "roster", str(roster))
         grades = tmp_path / "grades.csv"
-        instructor(root, "-m", "autograde", "--root", str(root), "export", "--to", str(grades))
+        instructor(root, exchange, "export", "--to", str(grades))
 
         for name, student in students.items():
             nbgrader_call(student, "fetch_feedback")
