@@ -39,6 +39,13 @@ HERE = Path(__file__).resolve().parent
 STATE = Path(os.environ.get("KVLAB_HUB_STATE") or HERE / "state").resolve()
 EXCHANGE = Path(os.environ.get("KVLAB_EXCHANGE") or STATE / "exchange").resolve()
 IP = os.environ.get("KVLAB_HUB_IP") or "127.0.0.1"
+PORT = os.environ.get("KVLAB_HUB_PORT") or "8000"
+try:
+    LOOPBACK = ipaddress.ip_address(IP).is_loopback
+except ValueError:
+    sys.exit(f"KVLAB_HUB_IP={IP!r} is not an IP address; for example 127.0.0.1 (this machine only) or 0.0.0.0 (all)")
+if not PORT.isdigit() or not 0 < int(PORT) < 65536:
+    sys.exit(f"KVLAB_HUB_PORT={PORT!r} is not a port number (1-65535)")
 # The interpreter running the hub is the course's; its console scripts (the proxy, jupyter) sit beside it, and an
 # environment nobody activated is not on PATH.
 SCRIPTS = sysconfig.get_path("scripts")
@@ -50,7 +57,7 @@ COURSE_ID = PyFileConfigLoader("nbgrader_config.py", path=str(HERE.parent / "aut
 STATE.mkdir(parents=True, exist_ok=True)
 
 c.JupyterHub.ip = IP
-c.JupyterHub.port = int(os.environ.get("KVLAB_HUB_PORT") or 8000)
+c.JupyterHub.port = int(PORT)
 c.JupyterHub.hub_ip = "127.0.0.1"
 c.ConfigurableHTTPProxy.api_url = "http://127.0.0.1:8001"
 c.JupyterHub.db_url = f"sqlite:///{STATE / 'jupyterhub.sqlite'}"
@@ -65,7 +72,7 @@ proxy = shutil.which("configurable-http-proxy", path=os.pathsep.join([SCRIPTS, o
 if proxy:
     c.ConfigurableHTTPProxy.command = [proxy, "--proxy-timeout", str(600_000)]  # milliseconds
 
-if ipaddress.ip_address(IP).is_loopback:
+if LOOPBACK:
     c.JupyterHub.authenticator_class = "dummy"  # any name, any password: only people on this machine can reach it
 else:
     password = os.environ.get("KVLAB_HUB_PASSWORD", "")
