@@ -30,16 +30,8 @@ from kvlab import Decoder, get_model
 from kvlab.pretrained import bos_token, heldout_tokens, list_pretrained, load_pretrained
 from kvlab.quality import CHANCE, needle_recall, perplexity
 from kvlab.roofline import kv_bytes_per_step, weight_bytes_read
-from kvlab.timing import CLOCKS, bandwidth_buffer_mb, machine_info, time_interleaved
+from kvlab.timing import CLOCKS, bandwidth_buffer_mb, load_average, machine_info, time_interleaved
 from kvlab.weights import WEIGHT_DTYPES, native_half
-
-
-def load() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "n/a"
 
 
 def in_precision(cfg, state: dict, dtype: str) -> Decoder:
@@ -85,7 +77,7 @@ def speed(preset: str, dtypes: list[str], contexts: list[int], repeats: int, clo
                     "weight_mb": wbytes / 1e6,
                 }
             )
-    return {"read_gbps": read_gbps, "load": load(), "rows": rows}
+    return {"read_gbps": read_gbps, "load": load_average(), "rows": rows}
 
 
 @torch.inference_mode()

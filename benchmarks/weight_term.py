@@ -32,20 +32,12 @@ import torch.nn.functional as F
 from kvlab import Decoder, get_model
 from kvlab.breakdown import layer_weights
 from kvlab.roofline import weight_bytes_read
-from kvlab.timing import CLOCKS, bandwidth_buffer_mb, machine_info, time_interleaved
+from kvlab.timing import CLOCKS, bandwidth_buffer_mb, load_average, machine_info, time_interleaved
 from kvlab.weights import WeightFormat
 
 # llama.cpp 0c1e570 on cpu-small converted to GGUF F32, zero-context step, 2-core AMD EPYC Zen 3
 # (docs/cpu_performance.md, section A): ms at one and two threads.
 LLAMA_CPP_F32_MS = {1: 6.6, 2: 5.1}
-
-
-def load() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "n/a"
 
 
 def matvec_candidates(model: Decoder, threads: int) -> tuple[dict[str, object], dict[str, int]]:
@@ -116,7 +108,7 @@ def measure(model: Decoder, threads: int, repeats: int, clock: str, size_mb: flo
     step_bytes = weight_bytes_read(model.cfg)
     return {
         "threads": threads,
-        "load": load(),
+        "load": load_average(),
         "copy_gbps": copy_gbps,
         "read_gbps": read_gbps,
         "matvec": {k: {"ms": ms[k], "mb": nbytes[k] / 1e6, "gbps": nbytes[k] / ms[k] / 1e6} for k in candidates},

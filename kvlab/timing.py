@@ -133,6 +133,15 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages, to print beside a timing taken on a shared machine ("n/a" where the
+    system keeps none, as on Windows)."""
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except (AttributeError, OSError):
+        return "n/a"
+
+
 def machine_info() -> dict[str, str | int | None]:
     """What a timing depends on, recorded next to it: CPU, cores, torch's threads, versions, the GPU if any."""
     info: dict[str, str | int | None] = {
