@@ -24,7 +24,7 @@ LEVELS: tuple[tuple[str, ...], ...] = (
     ("kvlab", "kvlab.validation", "kvlab.dtypes", "kvlab.config", "kvlab.presets", "kvlab.published",
      "kvlab.roofline", "kvlab.stats", "kvlab.data"),
     ("kvlab.device", "kvlab.timing", "kvlab.tokenizer", "kvlab.sampling"),
-    ("kvlab.layers",),
+    ("kvlab.layers", "kvlab.weights"),
     ("kvlab.kernels", "kvlab.triton_kernels"),
     ("kvlab.cache", "kvlab.cache.*"),
     ("kvlab.attention", "kvlab.mla"),
