@@ -545,6 +545,7 @@ CASES.update(
             ({"weights": 7e9, "kv": 3e9}, {"weights": 7e9, "kv": 3.3e9}),
             ({"weights": 1e9, "kv": 8e9}, {"weights": 4e9, "kv": 24e9}),
             ({"weights": 30e9, "kv": 1e9}, {"weights": 30e9, "kv": 9e9}),  # grew most, yet smaller late
+            ({"weights": 40e9, "kv": 3e9}, {"weights": 52e9, "kv": 9e9}),  # more bytes added, less growth
         ),
     }
 )

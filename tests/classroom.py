@@ -96,10 +96,20 @@ def write_lesson(root: Path) -> None:
     nb.cells = [
         _cell("markdown", "# Hub check\nWrite `double`."),
         _cell("code", 'print("the kernel adds:", sum(range(100)))', "greeting", locked=True),
-        _cell("code", "def double(x):\n    ### BEGIN SOLUTION\n    return 2 * x\n    ### END SOLUTION", "answer",
-              solution=True),
-        _cell("code", "assert double(3) == 6\n### BEGIN HIDDEN TESTS\nassert double(-4) == -8\n### END HIDDEN TESTS",
-              "check_double", grade=True, locked=True, points=POINTS),
+        _cell(
+            "code",
+            "def double(x):\n    ### BEGIN SOLUTION\n    return 2 * x\n    ### END SOLUTION",
+            "answer",
+            solution=True,
+        ),
+        _cell(
+            "code",
+            "assert double(3) == 6\n### BEGIN HIDDEN TESTS\nassert double(-4) == -8\n### END HIDDEN TESTS",
+            "check_double",
+            grade=True,
+            locked=True,
+            points=POINTS,
+        ),
     ]
     folder = root / "solutions" / LESSON
     folder.mkdir(parents=True)
@@ -120,12 +130,17 @@ def instructor(root: Path, exchange: Path, *args: str, timeout: float = 600) -> 
     (README.md, "Running a class") and activated no environment; its output, or fail."""
     env = {**os.environ, "KVLAB_EXCHANGE": str(exchange), "PATH": os.defpath}
     result = subprocess.run(
-        [sys.executable, "-m", "autograde", "--root", str(root), *args], cwd=root, env=env, capture_output=True,
-        text=True, timeout=timeout,
+        [sys.executable, "-m", "autograde", "--root", str(root), *args],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     if result.returncode:
-        pytest.fail(f"autograde {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}",
-                    pytrace=False)
+        pytest.fail(
+            f"autograde {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}", pytrace=False
+        )
     return result.stdout + result.stderr
 
 
@@ -164,20 +179,35 @@ class Hub:
             "PATH": os.defpath,  # as on a machine where nobody activated the environment
             "PYTHONPATH": str(REPO),
         }
-        for name in ("KVLAB_HUB_IP", "KVLAB_HUB_PORT", "KVLAB_HUB_PASSWORD", "http_proxy", "https_proxy",
-                     "HTTP_PROXY", "HTTPS_PROXY"):
+        for name in (
+            "KVLAB_HUB_IP",
+            "KVLAB_HUB_PORT",
+            "KVLAB_HUB_PASSWORD",
+            "http_proxy",
+            "https_proxy",
+            "HTTP_PROXY",
+            "HTTPS_PROXY",
+        ):
             env.pop(name, None)
         cmd = [
-            sys.executable, "-m", "jupyterhub", "-f", str(config), "--port", str(self.port),
+            sys.executable,
+            "-m",
+            "jupyterhub",
+            "-f",
+            str(config),
+            "--port",
+            str(self.port),
             f"--JupyterHub.hub_port={self.hub_port}",
             f"--ConfigurableHTTPProxy.api_url=http://{LOOPBACK}:{self.api_port}",
         ]
         self.log = self.log_path.open("w")
-        self.proc = subprocess.Popen(cmd, cwd=self.tmp, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, cwd=self.tmp, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         self.processes[self.proc.pid] = ("jupyterhub", _started(self.proc.pid))
-        self.http = httpx.Client(base_url=self.url, trust_env=False, timeout=60,
-                                 headers={"Authorization": f"token {self.token}"})
+        self.http = httpx.Client(
+            base_url=self.url, trust_env=False, timeout=60, headers={"Authorization": f"token {self.token}"}
+        )
         try:
             wait_for("the hub's API", self._api_up, SPAWN_S)
         except BaseException:
@@ -217,8 +247,12 @@ class Hub:
         wait_for(f"{user}'s server", ready, SPAWN_S, every=2)
         self.record()
         token = self.api("POST", f"users/{user}/tokens", json={"note": "classroom test"}).json()["token"]
-        return httpx.Client(base_url=f"{self.url}/user/{user}", trust_env=False, timeout=120,
-                            headers={"Authorization": f"token {token}"})
+        return httpx.Client(
+            base_url=f"{self.url}/user/{user}",
+            trust_env=False,
+            timeout=120,
+            headers={"Authorization": f"token {token}"},
+        )
 
     def record(self) -> None:
         """Note every process under the hub and every port they listen on (all of them must be loopback)."""

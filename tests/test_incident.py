@@ -171,10 +171,23 @@ def test_check_grown_term_refuses_the_largest_late_term():
         term = max(late, key=late.get)
         return term, late[term] / early[term]
 
-    with pytest.raises(AssertionError, match="not the largest one late"):
+    with pytest.raises(AssertionError, match="not the largest one late, nor the one that added the most bytes"):
         lesson11.check_grown_term(largest_late)
     with pytest.raises(AssertionError, match="hidden"):
         hidden.check_grown_term(largest_late)
+
+
+def test_check_grown_term_refuses_the_largest_difference():
+    """The second playtest's accepted slip: pick the term that added the most bytes, then return its ratio."""
+
+    def largest_difference(early, late):
+        term = max(late, key=lambda t: late[t] - early[t])
+        return term, late[term] / early[term]
+
+    with pytest.raises(AssertionError, match="nor the one that added the most bytes"):
+        lesson11.check_grown_term(largest_difference)
+    with pytest.raises(AssertionError, match="hidden"):
+        hidden.check_grown_term(largest_difference)
 
 
 @pytest.mark.slow
