@@ -303,8 +303,8 @@ def test_codec_slopes_need_one_bandwidth_measurement():
 
 
 def test_codec_band_allows_a_steeper_codec_and_a_flat_fp32(capsys):
-    # The honest CPU result: quantized slopes far above fp32's, and fp32's own line nearly flat.
-    sweeps = codec_sweeps({"fp32": (0.01, 8192.0), "fp8": (40.0, 2176.0), "int8": (9.0, 2304.0)})
+    # The honest CPU result: quantized slopes far above fp32's, and fp32's own line as flat as its bytes allow.
+    sweeps = codec_sweeps({"fp32": (0.5, 8192.0), "fp8": (40.0, 2176.0), "int8": (9.0, 2304.0)})
     assert_silent(capsys, checks.check_codec_slopes, ratios_of(sweeps), sweeps)
 
 
@@ -331,6 +331,16 @@ def test_codec_slopes_say_when_the_effect_was_not_seen(capsys):
     checks.check_codec_slopes(ratios_of(noisy), noisy, remeasure=again)
     out = capsys.readouterr().out
     assert "Not seen on this run" in out and "does not depend" in out and again.calls == lesson09.CODEC_REMEASURES
+
+
+def test_codec_slopes_say_when_fp32_is_flatter_than_its_bytes(capsys):
+    # The playtest's run: fp32 at 0.2 x the slope its bytes take (faster than the bandwidth), R² just readable.
+    # The ratios over it are load, not codecs: passed on the arithmetic, and told so.
+    impossible = codec_sweeps({**PLAUSIBLE, "fp32": (0.15, 8192.0)})
+    again = Remeasure(impossible)
+    checks.check_codec_slopes(ratios_of(impossible), impossible, remeasure=again)
+    out = capsys.readouterr().out
+    assert "Not seen on this run" in out and "bytes take" in out and again.calls == lesson09.CODEC_REMEASURES
 
 
 def test_codec_slopes_say_when_a_run_contradicts_the_lesson(capsys):

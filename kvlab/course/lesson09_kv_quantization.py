@@ -614,29 +614,48 @@ def check_codec_slopes(
 READABLE_R2 = 0.8  # below this, fp32's small slope is mostly load, and every ratio over it moves with it
 
 
+def _fp32_unreadable(sweeps: Mapping[str, Sweep]) -> list[str]:
+    """Why fp32's line cannot serve as the baseline of the ratios (empty when it can): scattered, or flatter than
+    its own bytes allow, which no cache does and load between the contexts does."""
+    fit, bytes_us = sweeps[_BASELINE].fit, sweeps[_BASELINE].predicted_slope_us_per_token
+    out = []
+    if not fit.r2 >= READABLE_R2:
+        out.append(f"its R² is {fit.r2:.2f}, below {READABLE_R2}")
+    if not fit.slope * 1e3 >= CODEC_MIN_OF_BYTES * bytes_us:
+        out.append(
+            f"its slope, {fit.slope * 1e3:.3f} µs per token, is under {CODEC_MIN_OF_BYTES} x the {bytes_us:.3f} its "
+            "bytes take at the measured bandwidth"
+        )
+    return out
+
+
 def _report_readability(sweeps: Mapping[str, Sweep], remeasure: Callable[[], Mapping[str, Sweep]] | None) -> None:
-    """After the grade: whether the run showed the lesson's effect (codecs steeper than fp32). A noisy fp32 line is
-    timed again (up to ``CODEC_REMEASURES`` times); what was seen is printed, never graded."""
-    readable = sweeps if sweeps[_BASELINE].fit.r2 >= READABLE_R2 else None
+    """After the grade: whether the run showed the lesson's effect (codecs steeper than fp32). An unreadable fp32
+    line is timed again (up to ``CODEC_REMEASURES`` times); what was seen is printed, never graded."""
+    unmet = _fp32_unreadable(sweeps)
+    readable = None if unmet else sweeps
     for _ in range(CODEC_REMEASURES if readable is None and remeasure is not None else 0):
         again = remeasure()
         _check_codec_sweeps(again, "remeasure()")
-        if again[_BASELINE].fit.r2 >= READABLE_R2:
+        unmet = _fp32_unreadable(again)
+        if not unmet:
             readable = again
             break
     if readable is None:
         print(
-            f"Not seen on this run: fp32's line stayed noisy (R² below {READABLE_R2}), so the ratios cannot say "
-            "whether "
-            "the quantized caches are steeper here. Your grade does not depend on it; re-run the timing cell when "
-            "the machine is quieter to read it."
+            f"Not seen on this run: fp32's line, the baseline of every ratio, is not readable ({'; '.join(unmet)}), "
+            "so the ratios cannot say whether the quantized caches are steeper here. Your grade does not depend on "
+            "it; re-run the timing cell when the machine is quieter to read it."
         )
         return
     base = readable[_BASELINE].fit.slope
     ratios = {k: s.fit.slope / base for k, s in readable.items() if k != _BASELINE}
     shown = ", ".join(f"{k} {r:.1f}x" for k, r in ratios.items())
     if readable is not sweeps:
-        print(f"fp32's line was noisy; timed again with a readable one: slopes over fp32's {shown}.")
+        print(
+            f"fp32's line was not readable; timed again with a readable one: slopes over fp32's {shown}. The cells "
+            "below still use your first sweeps: re-run the timing cell to read them on a readable run."
+        )
     flatter = [k for k, r in ratios.items() if r < 1]
     if flatter:
         print(
