@@ -106,7 +106,7 @@ def check_fit_tpot(
         if not (isinstance(got, tuple) and len(got) == 2):
             _fail("fit_tpot", got, "a tuple (slope_us_per_token, intercept_ms)", "Return two numbers.")
         ref = fit_line(contexts, tpots)
-        fix = "Least squares: slope = cov(x, y) / var(x), intercept = mean(y) - slope x mean(x)."
+        fix = "Fit the ordinary least-squares line of TPOT against context; check which list is x and the units."
         _close("fit_tpot slope", got[0], ref.slope * 1e3, "µs per token (TPOT is in ms)", fix, reveal, rel=1e-6)
         _close("fit_tpot intercept", got[1], ref.intercept, "ms", fix, reveal, rel=1e-6)
 

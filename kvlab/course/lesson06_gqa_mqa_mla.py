@@ -230,7 +230,7 @@ def check_split_slope(
             _fail(label, got, "a pair (a_us, b_us)", "Return the slope per KV head and the part left at 0 KV heads.")
         ref = fit_line(kv_heads, slopes)
         swapped = ((ref.intercept, "It is the intercept b: return (a, b), the slope per KV head first."),)
-        fix = "Least squares of slope against n_kv_heads: a = cov(x, y) / var(x), b = mean(y) - a x mean(x)."
+        fix = "Fit the ordinary least-squares line of the slopes against n_kv_heads; check which list is x."
         _close(f"{label} a", got[0], ref.slope, "µs per token per KV head", fix, reveal, rel=1e-6, slips=swapped)
         swapped = ((ref.slope, "It is the slope a: return (a, b), the intercept second."),)
         _close(f"{label} b", got[1], ref.intercept, "µs per token", fix, reveal, rel=1e-6, slips=swapped)

@@ -220,8 +220,8 @@ def check_h2o_bytes_per_step(
                 )
             )
         fix = (
-            "K/V of min(context, heavy + recent) tokens (2 x n_kv_heads x head_dim x dtype bytes per layer), plus per "
-            "sequence, layer and KV head: 4 B per kept score, and 12 B per slot when context > heavy + recent."
+            "Count the K/V of the tokens the cache keeps, then H2O's own bookkeeping per sequence, layer and KV head: "
+            "reread the exercise's list of what a step reads and writes, and from which context eviction starts."
         )
         _exact_int(label, _call(label, fn, cfg, context, heavy, recent, batch), want, "bytes", fix, reveal, slips)
 
@@ -382,7 +382,7 @@ def check_chat_time(
             ),
             (total - sum(t["prefill_ms"] for t in turns), "It leaves out the user messages' prefill."),
         )
-        fix = "Sum over turns of reprefill_ms + prefill_ms + sum(decode_ms), in ms."
+        fix = "Add every piece of work each turn runs on the user's clock, in ms: reread what a turn holds."
         _close(f"{label} total_ms", got[0], total, "ms", fix, reveal, rel=1e-9, slips=slips)
-        fix = "Sum over turns of reprefill_ms."
+        fix = "Only the rebuilds' part of that time, over all turns."
         _close(f"{label} reprefill_ms", got[1], reprefill, "ms", fix, reveal, rel=1e-9)
