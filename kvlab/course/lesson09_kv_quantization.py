@@ -48,8 +48,9 @@ def _vllm_l4_qwen3_4b() -> dict[int, tuple[float, float]]:
 
 
 VLLM_L4_QWEN3_4B = _vllm_l4_qwen3_4b()
-# The KV tokens vLLM reserved on the same L4 for Qwen3-4B (gpu_memory_utilization 0.9, after profiling its
-# activations), as its log prints them on that page: docs/features/quantization/quantized_kvcache.md (vLLM).
+# The KV tokens vLLM reserved on the same L4 for Qwen3-4B ("GPU KV cache size" in its start-up log: vLLM 0.25.1,
+# --max-model-len 32768, 11.47 GiB of KV after the weights and profiled activations), as the table of
+# docs/features/quantization/quantized_kvcache.md in vLLM's repository (at 0609ba15) gives them.
 VLLM_L4_QWEN3_4B_KV_TOKENS = {"bf16": 83_488, "fp8": 166_992}
 
 _KEY_DIM = {"per-channel": 2, "per-token": 3}  # the dim of a [B, Hkv, S, D] tensor whose G elements share a scale
