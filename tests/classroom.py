@@ -24,7 +24,7 @@ import httpx
 import nbformat
 import pytest
 
-from tests.conftest import REPO, course_copy
+from tests.conftest import REPO, course_copy, run_autograde
 
 T = TypeVar("T")
 LOOPBACK = "127.0.0.1"
@@ -129,18 +129,7 @@ def instructor(root: Path, exchange: Path, *args: str, timeout: float = 600) -> 
     """``python -m autograde *args`` on the course at ``root``, as an instructor who set ``KVLAB_EXCHANGE`` once
     (README.md, "Running a class") and activated no environment; its output, or fail."""
     env = {**os.environ, "KVLAB_EXCHANGE": str(exchange), "PATH": os.defpath}
-    result = subprocess.run(
-        [sys.executable, "-m", "autograde", "--root", str(root), *args],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    if result.returncode:
-        pytest.fail(
-            f"autograde {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}", pytrace=False
-        )
+    result = run_autograde(root, *args, env=env, timeout=timeout)
     return result.stdout + result.stderr
 
 

@@ -28,7 +28,7 @@ BARE_ENV = {**os.environ, "PATH": os.defpath}
 
 
 def run_autograde(
-    root: Path, *args: str, check: bool = True, env: dict[str, str] | None = None
+    root: Path, *args: str, check: bool = True, env: dict[str, str] | None = None, timeout: float | None = None
 ) -> subprocess.CompletedProcess:
     """``python -m autograde`` on the course at ``root``, as an instructor would run it there (cwd=root, so the
     copy's own ``autograde`` package runs); ``env`` replaces the environment, ``BARE_ENV`` for instance."""
@@ -38,6 +38,7 @@ def run_autograde(
         capture_output=True,
         text=True,
         env=env,
+        timeout=timeout,
     )
     if check and result.returncode:
         pytest.fail(f"autograde {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
