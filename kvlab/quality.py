@@ -83,6 +83,7 @@ def perplexity(
     batch_size: int = 16,
     progress: bool = True,
     bos: int | None = None,
+    one_pass: bool = False,
 ) -> PerplexityResult:
     """Perplexity of ``tokens`` (``[N]``) read in segments of ``context`` tokens, each through a fresh cache.
 
@@ -93,6 +94,12 @@ def perplexity(
     prediction of every token from ``prefill_tokens`` to the end of its segment, each made with all earlier tokens
     of the segment having passed through the cache. The first of those predictions comes from the prefill's last
     position; the rest from decode steps.
+
+    ``one_pass``: each segment goes in as one prefill, and every scored prediction is read from it. For a cache
+    whose multi-token step gives each query what feeding the tokens one at a time would (its class sets
+    ``prefill_is_stepwise``: it keeps every token, or evicts by position alone), that is the same measurement,
+    equal to the streamed one up to float rounding, for the cost of one step instead of ``context -
+    prefill_tokens``. A cache without the property (H2O evicts by what each step attended to) is refused.
     """
     tokens = _token_vector(tokens, "tokens")
     require_int("context", context, 2)
@@ -100,6 +107,8 @@ def perplexity(
     if prefill_tokens >= context:
         raise ValueError(f"prefill_tokens: {prefill_tokens}; allowed: 1 <= prefill_tokens < context={context}")
     require_int("batch_size", batch_size, 1)
+    if not isinstance(one_pass, bool):
+        raise ValueError(f"one_pass: {one_pass!r}; allowed: True or False")
     _check_factory(make_cache)
     _check_bos(bos, model)
     text_len = context - (bos is not None)
@@ -111,7 +120,12 @@ def perplexity(
     with _bar(n_segments * (context - prefill_tokens), f"perplexity ctx={context}", progress) as bar:
         for batch in segments.split(batch_size):
             cache = make_cache(model, batch.shape[0], context)
-            for i, logits in enumerate(_stream(model, batch[:, :-1], cache, prefill_tokens, bar)):
+            if one_pass and not cache.prefill_is_stepwise:
+                raise ValueError(
+                    f"make_cache: its {type(cache).__name__} does not keep, in a multi-token step, what one token at a "
+                    "time would keep; allowed: one_pass=False for it, or a cache whose prefill_is_stepwise is True"
+                )
+            for i, logits in enumerate(_stream(model, batch[:, :-1], cache, prefill_tokens, bar, one_pass)):
                 target = batch[:, prefill_tokens + i]
                 logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, target[:, None])
                 nll_sum[i] -= logp.double().sum().cpu()
@@ -302,13 +316,20 @@ def _final_probs(
 
 
 def _stream(
-    model: Decoder, tokens: torch.Tensor, cache: KVCache, prefill_tokens: int, bar: tqdm
+    model: Decoder, tokens: torch.Tensor, cache: KVCache, prefill_tokens: int, bar: tqdm, one_pass: bool = False
 ) -> Iterator[torch.Tensor]:
-    """Feed ``tokens`` ``[B, T]``: prefill the first ``prefill_tokens``, then one decode step per token.
+    """Feed ``tokens`` ``[B, T]``: prefill the first ``prefill_tokens``, then one decode step per token (with
+    ``one_pass``, prefill them all).
 
     Yields next-token logits ``[B, V]`` after positions ``prefill_tokens-1, ..., T-1``; ``bar`` counts sequences
     times predictions.
     """
+    if one_pass:
+        logits = model.prefill(tokens, cache)
+        for t in range(prefill_tokens - 1, tokens.shape[1]):
+            yield logits[:, t]
+            bar.update(tokens.shape[0])
+        return
     yield model.prefill(tokens[:, :prefill_tokens], cache)[:, -1]
     bar.update(tokens.shape[0])
     for t in range(prefill_tokens, tokens.shape[1]):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +12,10 @@ from torch.testing import assert_close
 from kvlab import quality
 from kvlab.cache.base import default_cache
 from kvlab.cache.contiguous import ContiguousKVCache
+from kvlab.cache.heavy_hitters import HeavyHitterKVCache
+from kvlab.cache.paged import PagedKVCache
+from kvlab.cache.quantized import QuantizedKVCache
+from kvlab.cache.window import WindowKVCache
 from kvlab.config import ModelConfig
 from kvlab.model import Decoder
 from kvlab.pretrained import heldout_tokens, load_pretrained
@@ -252,3 +258,42 @@ def test_needle_recall_rejects_bad_inputs(model: Decoder, kwargs: dict, name: st
     args = {"contexts": [64], "depths": [0.5], "n_trials": 2, "progress": False, **kwargs}
     with pytest.raises(ValueError, match=f"^{name}:"):
         needle_recall(model, **args)
+
+
+# One pass against the stream, through caches that claim ``prefill_is_stepwise``. A codec's codes come from K/V
+# computed by a matrix product in one pass and a matrix-vector product per step: a code can land one step apart,
+# which moves a position's NLL by a few hundredths of a nat, and the mean by far less.
+STEPWISE_CACHES = {
+    "contiguous, int4": partial(ContiguousKVCache.for_model, codec="int4"),
+    "window 12 + 2 sinks, int8": partial(WindowKVCache.for_model, window=12, sinks=2, codec="int8"),
+    "paged, window 9 + 1 sink": partial(PagedKVCache.for_model, block_size=4, window=9, sinks=1),
+}
+
+
+@pytest.mark.parametrize("name", STEPWISE_CACHES)
+def test_one_pass_measures_what_the_stream_does(model: Decoder, text: torch.Tensor, name: str) -> None:
+    kw = dict(context=48, prefill_tokens=5, make_cache=STEPWISE_CACHES[name], batch_size=2, progress=False)
+    streamed, one_pass = perplexity(model, text, **kw), perplexity(model, text, one_pass=True, **kw)
+    assert (one_pass.n_scored, one_pass.prefill_tokens) == (streamed.n_scored, streamed.prefill_tokens)
+    by_position = [torch.tensor(r.nll_by_position, dtype=torch.float64) for r in (one_pass, streamed)]
+    assert_close(*by_position, rtol=0, atol=0.05)
+    assert_close(one_pass.ppl, streamed.ppl, rtol=2e-3, atol=0)
+    # The window must have acted in the one pass too: the full cache's perplexity differs.
+    if "window" in name:
+        full = perplexity(model, text, context=48, prefill_tokens=5, batch_size=2, progress=False, one_pass=True)
+        assert abs(full.ppl - one_pass.ppl) > 0.01 * full.ppl
+
+
+@pytest.mark.parametrize(
+    "make_cache",
+    [
+        partial(HeavyHitterKVCache.for_model, heavy=4, recent=4),
+        partial(QuantizedKVCache.for_model, codec="int8", group_size=4, residual=4),
+    ],
+    ids=["H2O", "KIVI with a residual"],
+)
+def test_one_pass_refuses_a_cache_whose_prefill_is_not_stepwise(model: Decoder, text: torch.Tensor, make_cache) -> None:
+    with pytest.raises(ValueError, match="make_cache: its .*KVCache does not keep"):
+        perplexity(model, text, context=48, make_cache=make_cache, progress=False, one_pass=True)
+    with pytest.raises(ValueError, match="one_pass"):
+        perplexity(model, text, context=48, progress=False, one_pass=1)

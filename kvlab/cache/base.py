@@ -145,6 +145,10 @@ class KVCache(ABC):
     # that cannot says why, for its CacheRollbackError.
     _rolls_back = False
     _no_rollback = "it keeps no record of the tokens it would have to restore"
+    # Whether a multi-token step gives each of its queries the K/V it would read had the tokens come one decode
+    # step at a time: true of a cache that keeps every token, or evicts by position alone (a window); not of one
+    # whose encoding or eviction depends on how the tokens were grouped into steps.
+    prefill_is_stepwise = False
 
     def __init__(self, shape: CacheShape, batch_size: int = 1, capacity: int | None = None) -> None:
         if not isinstance(shape, CacheShape):

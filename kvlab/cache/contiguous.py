@@ -18,6 +18,8 @@ class ContiguousKVCache(SlabKVCache):
     ``group_size`` channels per scale (``kvlab.cache.stores``). A layer's sliding window is applied as it reads.
     """
 
+    prefill_is_stepwise = True  # every token kept, each encoded on its own
+
     def __init__(
         self,
         shape: CacheShape,

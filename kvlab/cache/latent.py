@@ -33,6 +33,8 @@ class LatentKVCache(SlabKVCache):
     does for MLA; this unfused kernel streams ``c_kv`` twice a step (scores, then the weighted sum), a fused one once.
     """
 
+    prefill_is_stepwise = True  # every latent kept, each encoded on its own
+
     def __init__(
         self,
         shape: CacheShape,

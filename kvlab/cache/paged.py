@@ -105,6 +105,7 @@ class PagedKVCache(KVCache):
     """
 
     _rolls_back = True
+    prefill_is_stepwise = True  # module docstring: a chunk equals its tokens one at a time, window or not
 
     def __init__(
         self,

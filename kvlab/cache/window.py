@@ -48,6 +48,8 @@ class WindowKVCache(FixedSlotsKVCache):
     A multi-token step gives each of its queries its own window, so it equals feeding its tokens one at a time.
     """
 
+    prefill_is_stepwise = True
+
     def __init__(
         self,
         shape: CacheShape,
