@@ -56,6 +56,7 @@ from typing import Protocol
 import torch
 
 from kvlab.bench import RequestTiming, latency_summaries
+from kvlab.cache.block_pool import int_tuple
 from kvlab.cache.paged import PagedKVCache
 from kvlab.config import ModelConfig
 from kvlab.model import Decoder
@@ -102,7 +103,7 @@ class Request:
             raise ValueError(f"arrival_s: {self.arrival_s!r}; allowed: a finite number of seconds >= 0")
         if self.sampling is not None and not isinstance(self.sampling, SamplingParams):
             raise ValueError(f"sampling: {self.sampling!r}; allowed: None or a kvlab.sampling.SamplingParams")
-        object.__setattr__(self, "prompt_ids", tuple(map(int, ids)))
+        object.__setattr__(self, "prompt_ids", int_tuple(ids))
 
 
 @dataclass(frozen=True)
@@ -303,15 +304,15 @@ class _Live:
     output: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     seq_id: int | None = None  # None: waiting (not yet admitted, preempted) or finished
-    todo: list[int] = field(default_factory=list)  # tokens still to prefill
+    todo: Sequence[int] = ()  # tokens still to prefill
     preemptions: int = 0
     admitted: bool = False  # it has left the waiting queue once (a preempted request stays admitted)
     stopped: bool = False  # it sampled one of its stop tokens
     generator: torch.Generator | None = None  # its own random stream, when it samples
 
     @property
-    def tokens(self) -> list[int]:
-        return [*self.request.prompt_ids, *self.output]
+    def tokens(self) -> tuple[int, ...]:
+        return (*self.request.prompt_ids, *self.output)
 
     @property
     def final_length(self) -> int:
@@ -449,7 +450,7 @@ class Engine:
         elif handle in self._running:
             self.cache.free(handle.seq_id)
             self._running.remove(handle)
-            handle.seq_id, handle.todo = None, []
+            handle.seq_id, handle.todo = None, ()
 
     def _release(self) -> None:
         """Free every running request's blocks (after an error from the model, too: none may stay held)."""
@@ -584,7 +585,7 @@ class Engine:
         while self.cache.pool.n_free < needed():
             victim = self._running.pop()
             self.cache.free(victim.seq_id)
-            victim.seq_id, victim.todo = None, []
+            victim.seq_id, victim.todo = None, ()
             victim.preemptions += 1
             self._preemptions += 1
             self._waiting.appendleft(victim)

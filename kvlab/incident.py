@@ -445,6 +445,12 @@ def _cache_ppl(model: Decoder, kv_dtype: str | None, window: int | None, sinks: 
     return perplexity(model, tokens, context, factory, progress=False, one_pass=True).ppl
 
 
+@lru_cache(maxsize=16)
+def _trace(shape: TraceShape, seed: int) -> ChatTrace:
+    """``chat_trace`` of the shipped text, remembered: every fix replays the same traces."""
+    return chat_trace(shape, seed)
+
+
 @lru_cache(maxsize=32)
 def _at_scale(incident: Incident, fix: Fix, seed: int) -> Replay:
     """``Incident.at_scale``, remembered: the simulated clock makes a replay a function of its fix and seed, and a
@@ -510,7 +516,7 @@ class Incident:
         return get_model(self.model)
 
     def trace(self, seed: int) -> ChatTrace:
-        return chat_trace(self.shape, seed)
+        return _trace(self.shape, seed)
 
     def at_scale(self, fix: Fix, seed: int) -> Replay:
         """The trace of ``seed`` replayed with ``fix`` for ``model`` on ``gpu`` (remembered: treat it as read-only)."""

@@ -27,6 +27,7 @@ import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 
 from kvlab.config import WEIGHT_COMPONENTS, ModelConfig
 from kvlab.dtypes import BYTES_PER_ELEMENT, GROUP_STAT_BYTES, KV_DTYPES, KV_GROUP_STATS, canonical_dtype
@@ -298,14 +299,19 @@ def kv_tokens_read(
     if shared_prefix > context:
         raise ValueError(f"shared_prefix: {shared_prefix}; allowed: at most the context ({context})")
     shared = per_sequence = 0
-    # Layers with the same window read the same tokens: one pass per distinct window (a simulated clock asks this
-    # for every row of every step).
-    for layer_window, n_layers in Counter(cfg.layer_windows or (None,) * cfg.n_layers).items():
+    for layer_window, n_layers in _layers_by_window(cfg):
         for start, end in _kept_intervals(context, layer_window, window, sinks):
             in_prefix = max(0, min(end, shared_prefix) - start)
             shared += n_layers * in_prefix
             per_sequence += n_layers * (end - start - in_prefix)
     return TokensRead(shared, per_sequence)
+
+
+@lru_cache(maxsize=64)
+def _layers_by_window(cfg: ModelConfig) -> tuple[tuple[int | None, int], ...]:
+    """``(window, n_layers)`` per distinct layer window: layers with the same window read the same tokens, so
+    ``kv_tokens_read`` makes one pass per window (a simulated clock asks it for every row of every step)."""
+    return tuple(Counter(cfg.layer_windows or (None,) * cfg.n_layers).items())
 
 
 def _kept_intervals(context: int, layer_window: int | None, window: int | None, sinks: int) -> list[tuple[int, int]]:

@@ -33,6 +33,15 @@ class PoolExhaustedError(CacheCapacityError):
     """Raised, before anything changes, when an append needs more free blocks than the pool has."""
 
 
+def int_tuple(token_ids: Sequence[int]) -> tuple[int, ...]:
+    """``token_ids`` as a tuple of Python ints, the form hashes and registrations compare. A tuple of ints (what
+    ``kvlab.engine.Request`` holds) is returned as it is: checking costs a C-level pass, converting a Python one,
+    and a 30k-token chat prompt is checked several times a turn."""
+    if type(token_ids) is tuple and set(map(type, token_ids)) <= {int}:
+        return token_ids
+    return tuple(map(int, token_ids))
+
+
 def chain_hash(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
     """Hash of one full block given its parent's hash: equal hashes mean (barring collisions) equal prefixes."""
     return hash((parent_hash, tokens))
@@ -121,9 +130,10 @@ class BlockPool:
 
     def cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
         """Blocks holding the K/V of ``token_ids``' leading full blocks, as far as the cache has them."""
+        ids = int_tuple(token_ids)
         blocks, parent_hash, parent_serial = [], None, None
-        for i in range(len(token_ids) // self.block_size):
-            chunk = tuple(map(int, token_ids[i * self.block_size : (i + 1) * self.block_size]))
+        for i in range(len(ids) // self.block_size):
+            chunk = ids[i * self.block_size : (i + 1) * self.block_size]
             key = chain_hash(parent_hash, chunk)
             entry = self._entries.get(self._by_hash.get(key, -1))
             if entry is None or entry.tokens != chunk or entry.parent_serial != parent_serial:

@@ -69,7 +69,7 @@ from collections.abc import Sequence
 import torch
 
 from kvlab.cache.base import CacheCapacityError, CacheShape, KVCache, Rotate, kv_codec, refuse_latent
-from kvlab.cache.block_pool import HOLE, BlockPool, shared_prefix_blocks
+from kvlab.cache.block_pool import HOLE, BlockPool, int_tuple, shared_prefix_blocks
 from kvlab.cache.stores import fused_kernels, make_store
 from kvlab.kernels import (
     MAX_SCORES,
@@ -221,8 +221,8 @@ class PagedKVCache(KVCache):
         the caller ``use``s it and prefills ``token_ids[n_cached:]``, whose ids the cache keeps until they are
         stored, so their blocks can be cached.
         """
-        rows = [int(t) for t in token_ids]
-        return self._add(rows, max(len(rows) - 1, 0) // self.block_size * self.block_size)
+        ids = int_tuple(token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids)
+        return self._add(ids, max(len(ids) - 1, 0) // self.block_size * self.block_size)
 
     def use(self, seq_ids: Sequence[int]) -> None:
         """Make the batch these pool sequences, in this order, at whatever lengths they are."""
@@ -462,10 +462,10 @@ class PagedKVCache(KVCache):
         """Blocks a decode step reads once for the whole batch: 0 unless cascade is on and there is sharing."""
         return self._n_shared if self.cascade and self.batch_size > 1 else 0
 
-    def _add(self, token_ids: list[int], max_cached_tokens: int) -> tuple[int, int]:
+    def _add(self, token_ids: Sequence[int], max_cached_tokens: int) -> tuple[int, int]:
         """A new pool sequence with ``token_ids``' prefix hits (at most ``max_cached_tokens``); the rest pending."""
         seq_id, n_cached = self.pool.add_sequence(token_ids, max_cached_tokens)
-        self._pending[seq_id] = token_ids[n_cached:]
+        self._pending[seq_id] = list(token_ids[n_cached:])
         return seq_id, n_cached
 
     def _drop(self, seq_id: int) -> None:
