@@ -108,8 +108,11 @@ def kernel_env(root: Path) -> dict[str, str]:
     - PYTHONWARNINGS, TQDM_DISABLE: nbgrader zeroes a test cell that writes to stderr; warnings raised while
       modules import (before a lesson's setup cell filters them) and progress bars would.
     - MPLBACKEND: plots go into the notebook, never to a window.
+    - KVLAB_REPLAY_CACHE (unless set already): ``autograde/replays/``, where the kernels keep the capstone's
+      replays that every submission runs alike, so only the first submission pays for them (``kvlab.disk_memo``).
     """
     env = dict(os.environ)
+    env.setdefault("KVLAB_REPLAY_CACHE", str(root / "autograde" / "replays"))
     env["PATH"] = os.pathsep.join([*tool_dirs(), *(p for p in env.get("PATH", "").split(os.pathsep) if p)])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
     env.update(PYTHONWARNINGS="ignore", TQDM_DISABLE="1", MPLBACKEND="module://matplotlib_inline.backend_inline")

@@ -23,6 +23,7 @@ The same trace plays at two scales, through the same engine:
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from collections.abc import Sequence
@@ -35,6 +36,7 @@ from kvlab.bench import latency_summaries
 from kvlab.cache.base import KVCache
 from kvlab.cache.window import WindowKVCache
 from kvlab.config import ModelConfig
+from kvlab.disk_memo import remembered
 from kvlab.dtypes import KV_DTYPES, canonical_dtype
 from kvlab.engine import Clock, Engine, Request, RunReport, SimulatedClock
 from kvlab.model import Decoder
@@ -454,13 +456,32 @@ def _trace(shape: TraceShape, seed: int) -> ChatTrace:
 @lru_cache(maxsize=32)
 def _at_scale(incident: Incident, fix: Fix, seed: int) -> Replay:
     """``Incident.at_scale``, remembered: the simulated clock makes a replay a function of its fix and seed, and a
-    lesson replays the same ones more than once (its plots, its check, its report)."""
-    return at_scale(incident.trace(seed), fix, incident.cfg, incident.gpu)
+    lesson replays the same ones more than once (its plots, its check, its report); a grader's kernels share them
+    on disk (``kvlab.disk_memo``: every submission replays today's service and the lesson's candidates)."""
+    compute = partial(at_scale, incident.trace(seed), fix, incident.cfg, incident.gpu)
+    return remembered("at-scale", (incident, fix, seed), compute)
 
 
 @lru_cache(maxsize=16)
 def _quality(incident: Incident, fix: Fix, seed: int, model: Decoder) -> Quality:
-    """``Incident.quality`` on a given model object, remembered (greedy decoding: the same answer each time)."""
+    """``Incident.quality`` on a given model object, remembered (greedy decoding: the same answer each time), in a
+    grader on disk too, by the model's weights (the replay's real-clock timings are then those of the run that
+    stored it)."""
+    key = (incident, fix, seed, _weights_digest(model))
+    return remembered("quality", key, partial(_measure_quality, incident, fix, seed, model))
+
+
+@lru_cache(maxsize=4)
+def _weights_digest(model: Decoder) -> str:
+    """A hash of ``model``'s config, parameters and buffers: what its greedy answers depend on."""
+    h = hashlib.sha256(repr(model.cfg).encode())
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _measure_quality(incident: Incident, fix: Fix, seed: int, model: Decoder) -> Quality:
     small = fix.scaled(SCALE)
     trace, answers = with_passkeys(chat_trace(incident.shape.scaled(SCALE), seed), incident.horizon // SCALE, seed)
     longest = max(trace.tokens_at_end(s) for s in range(len(trace.sessions)))

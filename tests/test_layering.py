@@ -23,7 +23,7 @@ import kvlab
 LEVELS: tuple[tuple[str, ...], ...] = (
     ("kvlab", "kvlab.validation", "kvlab.dtypes", "kvlab.config", "kvlab.presets", "kvlab.published",
      "kvlab.roofline", "kvlab.stats", "kvlab.data"),
-    ("kvlab.device", "kvlab.timing", "kvlab.tokenizer", "kvlab.sampling"),
+    ("kvlab.device", "kvlab.disk_memo", "kvlab.timing", "kvlab.tokenizer", "kvlab.sampling"),
     ("kvlab.layers", "kvlab.weights"),
     ("kvlab.kernels", "kvlab.triton_kernels"),
     ("kvlab.cache", "kvlab.cache.*"),
