@@ -308,13 +308,40 @@ class BlockPool:
             if block not in self._entries:  # worthless once free: reuse it before any cached block
                 self._free.move_to_end(block, last=False)
 
-    def _take(self) -> int:
-        """A free block with refcount 1; a cached one is evicted (the front of the free list is its LRU end)."""
-        block, _ = self._free.popitem(last=False)
+    def _take(self, after: int = HOLE) -> int:
+        """A free block with refcount 1: the block after ``after`` when it is free and caches nothing, so that a
+        sequence's blocks stay one run that a step reads in place; else the front of the free list (never-cached
+        blocks first, then cached ones, LRU first: the one taken is evicted)."""
+        if after != HOLE and after + 1 in self._free and after + 1 not in self._entries:
+            block = after + 1
+            del self._free[block]
+        elif (start := self._room_to_grow()) is not None:
+            block = start
+            del self._free[block]
+        else:
+            block, _ = self._free.popitem(last=False)
         if block in self._entries:
             self._unregister(block)
         self._ref[block] = 1
         return block
+
+    def _room_to_grow(self) -> int | None:
+        """The block that starts a new run where it can grow furthest: in the longest run of free blocks that cache
+        nothing, its first block, or its middle when the block before it is held or cached (the sequence that holds
+        it, or the next turn that hits its prefix, grows into the first half). ``None`` when every free block caches
+        something."""
+        empty = sorted(b for b in self._free if b not in self._entries)
+        if not empty:
+            return None
+        best_start, best_len, start = empty[0], 1, empty[0]
+        for prev, b in zip(empty, empty[1:], strict=False):
+            if b != prev + 1:
+                start = b
+            if b - start + 1 > best_len:
+                best_start, best_len = start, b - start + 1
+        before = best_start - 1
+        in_use = before >= 0 and (self._ref[before] > 0 or before in self._entries)
+        return best_start + best_len // 2 if in_use else best_start
 
     def _unregister(self, block: int) -> None:
         del self._by_hash[self._entries.pop(block).key]
@@ -324,7 +351,8 @@ class BlockPool:
     def _grow(self, seq: _Seq, n_tokens: int, token_ids: Sequence[int] | None) -> None:
         first = seq.length
         seq.length += n_tokens
-        seq.blocks.extend(self._take() for _ in range(math.ceil(seq.length / self.block_size) - len(seq.blocks)))
+        for _ in range(math.ceil(seq.length / self.block_size) - len(seq.blocks)):
+            seq.blocks.append(self._take(seq.blocks[-1] if seq.blocks else HOLE))
         if token_ids is None:
             seq.tail = None  # every later block's prefix holds an unknown token: none of them can be cached
             return
