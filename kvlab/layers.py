@@ -24,13 +24,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[..., dim]`` -> ``x / sqrt(mean(x**2) + eps) * weight``, same shape and dtype."""
-        # Normalise in fp32, as Llama does, so bf16 models keep the same statistics. Five ops, not F.rms_norm: on
-        # the CPU it runs as about ten (pow, mean, casts...), 2-3x the time on a decode step's one row, and a
-        # decode step normalises 2 rows per layer (docs/cpu_performance.md, section F).
-        xf = x.float()
-        norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
+        # Normalise in fp32, as Llama does, so bf16 models keep the same statistics: the norm is taken in fp32 and
+        # a bf16 x times the fp32 inv_rms is promoted to fp32. Five ops, not F.rms_norm: on the CPU that runs as
+        # about ten (pow, mean, casts), and a decode step normalises two one-row tensors per layer, where the
+        # count of ops, not their arithmetic, sets the time (docs/cpu_performance.md, section F).
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
         inv_rms = torch.addcmul(self._eps, norm, norm, value=1 / x.shape[-1]).rsqrt_()
-        return torch.mul(xf, self.weight.float()).mul_(inv_rms).to(x.dtype)
+        return torch.mul(x, inv_rms).mul_(self.weight).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):

@@ -160,7 +160,7 @@ class Decoder(nn.Module):
             raise ValueError(f"tokens: batch {tokens.shape[0]} but the cache holds {cache.batch_size} sequences")
         if tokens.device.type != "cpu":
             return tokens  # reading min/max back would stall the GPU queue once per step
-        lo, hi = int(tokens.min()), int(tokens.max())
+        lo, hi = (int(t) for t in torch.aminmax(tokens))
         if lo < 0 or hi >= self.cfg.vocab_size:
             raise ValueError(f"tokens: ids {lo}..{hi}; allowed: 0 <= id < vocab_size={self.cfg.vocab_size}")
         return tokens
