@@ -44,6 +44,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         half = torch.ones(head_dim // 2)
         self.register_buffer("sign", torch.cat((-half, half)), persistent=False)  # rotate-half's, see forward
+        # forward() at positions 0, 1, 2, ..., kept for span(): buffers, so that they move with the model.
+        self.register_buffer("_cos", None, persistent=False)
+        self.register_buffer("_sin", None, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions``: ``[T]``, or ``[B, T]`` (one row per sequence) -> ``cos``, ``sin``: ``[..., T, 1, D]``
@@ -55,6 +58,21 @@ class RotaryEmbedding(nn.Module):
         freqs = positions.float()[..., None] * self.inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)[..., None, :]
         return angles.cos(), angles.sin() * self.sign
+
+    def span(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` at positions ``start .. start+n-1``: ``cos``, ``sin`` ``[n, 1, D]``, views of a table.
+
+        A decode step needs one position's angles; computing them takes about ten small ops, indexing a table
+        one. The table doubles when a position lies past its end, so it holds at most twice the positions used.
+        """
+        end = start + n
+        if self._cos is None or self._cos.shape[0] < end:
+            size = max(end, 2 * (0 if self._cos is None else self._cos.shape[0]))
+            # Not an inference tensor, even when a decode step (inference mode) grows it: a training forward
+            # (autograd) may read it later.
+            with torch.inference_mode(False):
+                self._cos, self._sin = self(torch.arange(size, device=self.inv_freq.device))
+        return self._cos[start:end], self._sin[start:end]
 
 
 def _llama3_frequencies(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:

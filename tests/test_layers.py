@@ -48,3 +48,20 @@ def test_rope_equals_the_rotate_half_formula(ragged):
     cos, sin = rope(positions)
     # Angles up to 44 radians: fp32's rounding of the angle itself (2^-24 of 44) is the larger part of the error.
     assert_close(apply_rope(x, cos, sin), _rotate_half_reference(x, positions, rope.inv_freq), rtol=1e-5, atol=2e-5)
+
+
+def test_rope_span_is_forward_at_those_positions_as_its_table_grows():
+    rope = RotaryEmbedding(16, theta=10000.0)
+    for start, n in [(0, 3), (3, 1), (5, 4), (100, 1), (7, 20)]:  # grows twice, then reads inside the table
+        expected = rope(torch.arange(start, start + n))
+        for got, want in zip(rope.span(start, n), expected, strict=True):
+            assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_a_rope_table_grown_in_inference_mode_serves_a_forward_with_autograd():
+    rope = RotaryEmbedding(16, theta=10000.0)
+    with torch.inference_mode():
+        rope.span(0, 4)
+    x = torch.randn(1, 4, 2, 16, requires_grad=True)
+    apply_rope(x, *rope.span(0, 4)).sum().backward()
+    assert x.grad is not None
