@@ -18,10 +18,19 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        # eps as a tensor, so that mean(x**2) + eps is one op (addcmul) rather than three with a Python scalar. A
+        # bf16 model stores it in bf16, 0.14% off 1e-5: far below what bf16 rounds its outputs by.
+        self.register_buffer("_eps", torch.tensor(eps), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32, as Llama does, so bf16 models keep the same statistics.
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        """``x``: ``[..., dim]`` -> ``x / sqrt(mean(x**2) + eps) * weight``, same shape and dtype."""
+        # Normalise in fp32, as Llama does, so bf16 models keep the same statistics: the norm is taken in fp32 and
+        # a bf16 x times the fp32 inv_rms is promoted to fp32. Five ops, not F.rms_norm: on the CPU that runs as
+        # about ten (pow, mean, casts), and a decode step normalises two one-row tensors per layer, where the
+        # count of ops, not their arithmetic, sets the time (docs/cpu_performance.md, section F).
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+        inv_rms = torch.addcmul(self._eps, norm, norm, value=1 / x.shape[-1]).rsqrt_()
+        return torch.mul(x, inv_rms).mul_(self.weight).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -33,13 +42,37 @@ class RotaryEmbedding(nn.Module):
         if scaling and scaling.get("rope_type") == "llama3":
             inv_freq = _llama3_frequencies(inv_freq, scaling)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        half = torch.ones(head_dim // 2)
+        self.register_buffer("sign", torch.cat((-half, half)), persistent=False)  # rotate-half's, see forward
+        # forward() at positions 0, 1, 2, ..., kept for span(): buffers, so that they move with the model.
+        self.register_buffer("_cos", None, persistent=False)
+        self.register_buffer("_sin", None, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions``: ``[T]``, or ``[B, T]`` (one row per sequence) -> ``cos``, ``sin``: ``[..., T, 1, D]``
-        (broadcast over heads)."""
+        (broadcast over heads), for ``apply_rope``.
+
+        ``sin``'s first half is negated: rotate-half's sign, folded in here once per step so that ``apply_rope``
+        rotates with one ``roll`` per layer instead of a split, a negation and a concatenation.
+        """
         freqs = positions.float()[..., None] * self.inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)[..., None, :]
-        return angles.cos(), angles.sin()
+        return angles.cos(), angles.sin() * self.sign
+
+    def span(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` at positions ``start .. start+n-1``: ``cos``, ``sin`` ``[n, 1, D]``, views of a table.
+
+        A decode step needs one position's angles; computing them takes about ten small ops, indexing a table
+        one. The table doubles when a position lies past its end, so it holds at most twice the positions used.
+        """
+        end = start + n
+        if self._cos is None or self._cos.shape[0] < end:
+            size = max(end, 2 * (0 if self._cos is None else self._cos.shape[0]))
+            # Not an inference tensor, even when a decode step (inference mode) grows it: a training forward
+            # (autograd) may read it later.
+            with torch.inference_mode(False):
+                self._cos, self._sin = self(torch.arange(size, device=self.inv_freq.device))
+        return self._cos[start:end], self._sin[start:end]
 
 
 def _llama3_frequencies(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -56,10 +89,13 @@ def _llama3_frequencies(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the last dim of ``x`` (``[..., T, heads, D]`` with ``cos``, ``sin``: ``[T, 1, D]``, or any shapes
-    that broadcast the same way)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+    """Rotate the last dim of ``x`` (``[..., T, heads, D]`` with ``cos``, ``sin``: ``[T, 1, D]`` from
+    ``RotaryEmbedding``, or any shapes that broadcast the same way).
+
+    Rotate-half pairs channel ``i`` with ``i + D/2``: ``x * cos + [-x2, x1] * sin``. ``[x2, x1]`` is ``x`` rolled by
+    half its width, and the minus sign is already in ``RotaryEmbedding``'s ``sin``.
+    """
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin).to(x.dtype)
 
 
 class SwiGLU(nn.Module):

@@ -140,12 +140,14 @@ class Decoder(nn.Module):
 
     def _run(self, tokens: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
         tokens = self._check_tokens(tokens, cache)
-        start = 0 if cache is None else cache.reserve(tokens.shape[1])
-        steps = torch.arange(tokens.shape[1], device=self.device)
-        # A ragged batch (sequences at different lengths, as continuous batching runs them) gets one start per
-        # sequence from its cache: positions [B, T], so each sequence's tokens are roped at their own positions.
-        positions = steps + start if isinstance(start, int) else start.to(self.device)[:, None] + steps
-        cos, sin = self.rope(positions)
+        n = tokens.shape[1]
+        start = 0 if cache is None else cache.reserve(n)
+        if isinstance(start, int):
+            cos, sin = self.rope.span(start, n)
+        else:
+            # A ragged batch (sequences at different lengths, as continuous batching runs them) gets one start per
+            # sequence from its cache: positions [B, T], so each sequence's tokens are roped at their own positions.
+            cos, sin = self.rope(start.to(self.device)[:, None] + torch.arange(n, device=self.device))
         cos, sin = cos.to(self.torch_dtype), sin.to(self.torch_dtype)
         h = self.embed(tokens)
         for block in self.layers:
@@ -160,7 +162,7 @@ class Decoder(nn.Module):
             raise ValueError(f"tokens: batch {tokens.shape[0]} but the cache holds {cache.batch_size} sequences")
         if tokens.device.type != "cpu":
             return tokens  # reading min/max back would stall the GPU queue once per step
-        lo, hi = int(tokens.min()), int(tokens.max())
+        lo, hi = (int(t) for t in torch.aminmax(tokens))
         if lo < 0 or hi >= self.cfg.vocab_size:
             raise ValueError(f"tokens: ids {lo}..{hi}; allowed: 0 <= id < vocab_size={self.cfg.vocab_size}")
         return tokens
