@@ -1,7 +1,7 @@
 """Lesson 11's incident, every lever: P99 TPOT and TTFT at scale (pooled over traces), quality on the checkpoint.
 
     python benchmarks/incident.py                   # the lesson's traces (PUBLIC_SEEDS)
-    python benchmarks/incident.py --seeds 1001,1002,1003
+    python benchmarks/incident.py --seeds 3,4,5      # traces the lesson does not explore
 
 The at-scale half is the engine's simulated clock (``kvlab.incident``), so it prints the same numbers on any
 machine; the quality half runs the checkpoint on this CPU (greedy, so the same numbers up to a near-tie), and

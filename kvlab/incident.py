@@ -52,6 +52,7 @@ SCALE = 80  # at-scale tokens per checkpoint token: a 40k-token chat becomes 500
 # Tokens per block: the checkpoint's pool uses vLLM's default; at scale, blocks of 64 (as TensorRT-LLM's can be)
 # keep the per-step block tables of 30k-token rows short enough to replay a trace in seconds.
 BLOCK_SIZE, BLOCK_SIZE_AT_SCALE = 16, 64
+ATTENTION_SINKS = 4  # StreamingLLM's count: the first tokens that soak up attention, kept whole at any scale
 
 
 # -- the trace ---------------------------------------------------------------------------------------------------
@@ -188,11 +189,23 @@ class Fix:
         if self.session_cap is not None:
             require_int("session_cap", self.session_cap, 1)
 
-    def scaled(self, factor: int) -> Fix:
-        """The same fix for chats ``factor`` times shorter: window and cap divided (at least 1), sinks kept."""
+    def scaled(self, factor: int, horizon: int) -> Fix:
+        """The same fix for chats ``factor`` times shorter, whose fact to recall lies ``horizon // factor`` tokens
+        back instead of ``horizon``: every length divided by ``factor`` (at least 1).
+
+        - The window is divided about the horizon, ``horizon // factor + ceil((window - horizon) / factor)``, so
+          that it is wider than the scaled horizon exactly when it was wider than ``horizon`` (a plain rounding
+          would make a window a few tokens wider than 8,192 narrower than 8,192 / 80 rounded down).
+        - Sinks are divided too, but never below ``min(sinks, ATTENTION_SINKS)``: a few sink tokens are what the
+          attention-sink effect needs at any length, while a thousand are a share of the chat.
+        """
+        window = None
+        if self.window is not None:
+            window = max(1, horizon // factor + math.ceil((self.window - horizon) / factor))
         return replace(
             self,
-            window=None if self.window is None else max(1, round(self.window / factor)),
+            window=window,
+            sinks=max(min(self.sinks, ATTENTION_SINKS), round(self.sinks / factor)),
             session_cap=None if self.session_cap is None else max(1, round(self.session_cap / factor)),
         )
 
@@ -473,16 +486,17 @@ def _quality(incident: Incident, fix: Fix, seed: int, model: Decoder) -> Quality
 
 @lru_cache(maxsize=4)
 def _weights_digest(model: Decoder) -> str:
-    """A hash of ``model``'s config, parameters and buffers: what its greedy answers depend on."""
+    """A hash of ``model``'s config and state (parameters and persistent buffers): what its greedy answers depend
+    on. Non-persistent buffers are left out: they are derived, and may grow with use (RoPE's angle table)."""
     h = hashlib.sha256(repr(model.cfg).encode())
-    for name, t in (*model.named_parameters(), *model.named_buffers()):
+    for name, t in model.state_dict().items():
         h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
 def _measure_quality(incident: Incident, fix: Fix, seed: int, model: Decoder) -> Quality:
-    small = fix.scaled(SCALE)
+    small = fix.scaled(SCALE, incident.horizon)
     trace, answers = with_passkeys(chat_trace(incident.shape.scaled(SCALE), seed), incident.horizon // SCALE, seed)
     longest = max(trace.tokens_at_end(s) for s in range(len(trace.sessions)))
     if longest > model.cfg.max_seq_len:

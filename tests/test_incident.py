@@ -123,7 +123,12 @@ def test_fix_refuses_bad_levers_naming_them():
     ):
         with pytest.raises(ValueError, match=field):
             Fix(**kwargs)
-    assert Fix(window=4096, sinks=4, session_cap=16000).scaled(80) == Fix(window=51, sinks=4, session_cap=200)
+    assert Fix(window=4096, sinks=4, session_cap=16000).scaled(80, 8192) == Fix(window=51, sinks=4, session_cap=200)
+    # About the horizon: wider than it at scale exactly when wider than its 102 tokens at 1/80.
+    scaled = {w: Fix(window=w).scaled(80, 8192).window for w in (8112, 8113, 8192, 8193, 8272, 8273)}
+    assert scaled == {8112: 101, 8113: 102, 8192: 102, 8193: 103, 8272: 103, 8273: 104}
+    # A few sinks stay whole; thousands are a share of the chat, scaled like the window.
+    assert [Fix(window=1024, sinks=s).scaled(80, 8192).sinks for s in (0, 2, 4, 80, 4096)] == [0, 2, 4, 4, 51]
     with pytest.raises(ValueError, match="session_cap"):
         replay(chat_trace(SHAPE, 0), Fix(session_cap=40), ScriptedModel(), n_blocks=64)
 
@@ -200,6 +205,9 @@ def test_check_fix_measures_both_halves(tiny):
         lesson11.check_fix(Fix(prefix_caching=False, kv_dtype="int4"), tiny, seeds=(0,))
     with pytest.raises(AssertionError, match="recall"):
         lesson11.check_fix(Fix(prefix_caching=True, window=4096, sinks=4), tiny, seeds=(0,), reveal=False)
+    # The playtest's loophole: thousands of sinks kept whole on the checkpoint were its whole chat.
+    with pytest.raises(AssertionError, match="recall"):
+        lesson11.check_fix(Fix(window=1024, sinks=4096), tiny, seeds=(0,))
     with pytest.raises(AssertionError, match="Fix"):
         lesson11.check_fix({"prefix_caching": True}, tiny)
     assert INCIDENT.judge(Fix(prefix_caching=True, kv_dtype="int4"), (0,), tiny).quality.recall == 1.0
