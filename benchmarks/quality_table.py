@@ -5,7 +5,8 @@
 
 A policy is a name and a ``make_cache(model, batch_size, capacity) -> KVCache`` factory; ``POLICIES`` holds the
 full cache, windows with and without sinks under both position schemes, H2O at several budgets, and the fp8,
-int8 and int4 codecs (KIVI grouping; with the default residual of recent full-precision tokens, and without).
+int8 and int4 codecs (KIVI grouping; with the default residual of recent full-precision tokens, and without), with
+``fp8-tensor`` beside fp8: one uncalibrated scale (1.0) per tensor, vLLM's default FP8 cache.
 Every measurement streams the text through the cache (see ``kvlab.quality``), so the policy acts on every
 prediction after the first ``--prefill`` tokens. Needle recall is passkey retrieval: chance is ``1 / N_PASSKEYS``.
 """
@@ -30,7 +31,7 @@ from kvlab.timing import Stopwatch
 WINDOWS = (64, 128, 256)
 SINKS = 4
 H2O_BUDGETS = (64, 128, 256)
-CODECS = ("fp8", "int8", "int4")
+CODECS = ("fp8", "fp8-tensor", "int8", "int4")
 
 
 def policies() -> dict[str, CacheFactory]:

@@ -113,6 +113,7 @@ from kvlab.course.lesson08_heavy_hitters import (
 )
 from kvlab.course.lesson09_kv_quantization import (
     CODEC_MIN_OF_BYTES,
+    CODEC_MIN_R2,
     VLLM_L4_QWEN3_4B,
     VLLM_L4_QWEN3_4B_KV_TOKENS,
     check_codec_slopes,
@@ -122,6 +123,8 @@ from kvlab.course.lesson09_kv_quantization import (
     check_kivi_error,
     check_quantize,
     check_quantized_bytes,
+    codec_contradiction,
+    codec_reading,
 )
 from kvlab.course.lesson10_speculative_decoding import (
     check_accept_greedy,
@@ -143,6 +146,7 @@ __all__ = [
     "BATCH_MIN_R2",
     "CASCADE_MAX_RATIO",
     "CODEC_MIN_OF_BYTES",
+    "CODEC_MIN_R2",
     "COPY_BAND",
     "EVICTED_MAX_RECALL",
     "KEPT_MIN_RECALL",
@@ -238,6 +242,8 @@ __all__ = [
     "check_weight_bytes",
     "check_window_bytes_read",
     "check_window_share",
+    "codec_contradiction",
+    "codec_reading",
     "layout_reading",
     "quick_mode",
     "setup_lesson",

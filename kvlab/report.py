@@ -399,31 +399,31 @@ def _mitigations(target: Target, p: Prediction, context: int, batch: int) -> lis
         )
 
     for codec in KV_CODECS:
-        # fp8 as serving teams run it (vLLM's default: per-tensor scales, 1 B/element); int8/int4 as kvlab's codecs
-        group = None if codec == "fp8" else KV_GROUP_SIZE
+        # fp8 as serving teams run it: vLLM's default cache, one scale per tensor left at 1.0 (1 B/element), with the
+        # quality kvlab measured for that codec (fp8-tensor). int8/int4 as kvlab's codecs, a scale per group.
+        per_tensor = codec == "fp8"
+        group, policy = (None, "fp8-tensor") if per_tensor else (KV_GROUP_SIZE, codec)
         q = _run(target, context, batch, kv_dtype=codec, group_size=group)
-        measured = f"measured on the course's checkpoint: {_measured(codec)} (the newest 128 tokens kept exact)"
-        if group is None:
-            quality = (
-                f"{measured}, with kvlab's fp8 codec, which keeps a scale per group of {KV_GROUP_SIZE}. That does "
-                "not carry over to per-tensor scales left at 1.0, vLLM's default without calibration, which its "
-                "docs warn can cost quality; calibrate the scales, or measure your own"
+        quality = f"measured on the course's checkpoint: {_measured(policy)} (the newest 128 tokens kept exact)"
+        if per_tensor:
+            quality += (
+                ", with one e4m3 scale per tensor left at 1.0, as vLLM stores it without calibration. A model whose "
+                "K/V values sit far from the range e4m3 covers at scale 1.0 loses more; vLLM's docs recommend "
+                "calibrating the scales, and measuring your own"
             )
-        else:
-            quality = measured
         add(
             f"kv-{codec}",
-            f"{codec} KV cache",
+            f"{codec} KV cache" + (" (per-tensor scale, the vLLM default)" if per_tensor else ""),
             "09",
             ["--kv-dtype", codec] + ([] if group is None else ["--group-size", str(group)]),
             q,
             assumption=f"{q.kv_scales}; the attention kernel must read the compressed bytes itself, or the step "
             "gains nothing",
             quality=quality,
-            citation=_citation(codec)
+            citation=_citation(policy)
             + (
                 "; vLLM's fp8 cache: docs/features/quantization/quantized_kvcache.md in vllm-project/vllm"
-                if group is None
+                if per_tensor
                 else ""
             ),
         )

@@ -1,5 +1,6 @@
 """KV codecs and the quantized cache: error bounds, byte counts by hand, and the attention paths against each other."""
 
+import itertools
 import math
 
 import pytest
@@ -8,7 +9,7 @@ from torch.testing import assert_close
 
 from kvlab import ContiguousKVCache, Decoder
 from kvlab.cache.base import CacheShape
-from kvlab.cache.codecs import CODECS, get_codec, pack_int4, unpack_int4
+from kvlab.cache.codecs import CODECS, IntCodec, get_codec, pack_codes, unpack_codes
 from kvlab.cache.quantized import QuantizedKVCache, codec_error, folded_value_product, int8_key_scores
 
 from .helpers import tiny_config
@@ -26,7 +27,7 @@ def _per_element(stat: torch.Tensor, dim: int, group_size: int, n: int) -> torch
 
 
 # -- codecs --------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int2", "int1"])
 @pytest.mark.parametrize("dim", [TOKENS, CHANNELS], ids=["per-channel", "per-token"])
 @pytest.mark.parametrize("group_size", [8, 5, 64], ids=["G8", "ragged-G5", "G-longer-than-dim"])
 @pytest.mark.parametrize(("spread", "offset"), [(3.0, 1.0), (0.05, 60.0)], ids=["wide", "narrow-far-from-0"])
@@ -65,33 +66,51 @@ def test_float_codecs_are_casts(name, rtol):
     assert_close(get_codec(name).decode(enc), x, rtol=rtol, atol=1e-7)
 
 
-@pytest.mark.parametrize("n", [1, 7, 16])
-def test_int4_packing_round_trips_every_code(n):
-    codes = torch.arange(16, dtype=torch.uint8).repeat(3, 2)[:, :n]
-    packed = pack_int4(codes)
-    assert packed.shape == (3, math.ceil(n / 2)) and packed.dtype == torch.uint8
-    assert torch.equal(unpack_int4(packed, n), codes)
-
-
-def test_int4_packs_element_2i_in_the_low_nibble():
-    assert pack_int4(torch.tensor([1, 2, 3], dtype=torch.uint8)).tolist() == [0x21, 0x03]
+@pytest.mark.parametrize("bits", [4, 2, 1])
+@pytest.mark.parametrize("n", [1, 7, 16, 19])
+def test_packing_round_trips_every_code(bits, n):
+    codes = torch.arange(2**bits, dtype=torch.uint8).repeat(3, 40)[:, :n]
+    packed = pack_codes(codes, bits)
+    assert packed.shape == (3, math.ceil(n * bits / 8)) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_codes(packed, n, bits), codes)
 
 
 @pytest.mark.parametrize(
-    ("name", "payload_bytes", "n_stats"),
-    [("fp32", 4, 0), ("bf16", 2, 0), ("fp8", 1, 1), ("int8", 1, 2), ("int4", 0.5, 2)],
+    ("bits", "codes", "packed"),
+    [
+        (4, [1, 2, 3], [0x21, 0x03]),  # element 2i in the low nibble
+        (2, [1, 2, 3, 0, 3], [0b00_11_10_01, 0b11]),  # element 4i in bits 0-1
+        (1, [1, 0, 1, 1, 0, 0, 0, 1, 1], [0b1000_1101, 0b1]),  # element 8i in bit 0
+    ],
+)
+def test_packing_puts_the_first_element_in_the_lowest_bits(bits, codes, packed):
+    assert pack_codes(torch.tensor(codes, dtype=torch.uint8), bits).tolist() == packed
+
+
+def test_narrow_int_codecs_round_trip_exactly_on_their_own_grid():
+    # Codes on the grid decode back to the same numbers: 0 .. 2^bits - 1 with min 0 and scale 1 are exact in fp16.
+    for bits in (2, 1):
+        x = torch.arange(2**bits, dtype=torch.float32).repeat(4, 2)  # [4, 2^(bits+1)], each row a group
+        codec = IntCodec(bits)
+        assert_close(codec.decode(codec.encode(x, -1, x.shape[-1])), x, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("name", "payload_bits", "n_stats"),
+    [("fp32", 32, 0), ("bf16", 16, 0), ("fp8", 8, 1), ("int8", 8, 2), ("int4", 4, 2), ("int2", 2, 2), ("int1", 1, 2)],
 )
 @pytest.mark.parametrize("dim", [TOKENS, CHANNELS])
-def test_encoded_bytes_match_a_hand_count(name, payload_bytes, n_stats, dim):
+def test_encoded_bytes_match_a_hand_count(name, payload_bits, n_stats, dim):
     shape, group_size = (2, 3, 37, 10), 8
     groups = {TOKENS: math.ceil(37 / 8) * 10, CHANNELS: 37 * math.ceil(10 / 8)}[dim]  # per (batch, head)
-    expected = 2 * 3 * 37 * 10 * payload_bytes + 2 * 3 * groups * n_stats * 2  # stats are fp16
+    row_bytes = math.ceil(10 * payload_bits / 8)  # a row of 10 packed codes ends in a whole byte
+    expected = 2 * 3 * 37 * row_bytes + 2 * 3 * groups * n_stats * 2  # stats are fp16
     codec = get_codec(name)
     assert codec.encode(_randn(*shape), dim, group_size).nbytes == expected
     assert codec.stored_bytes(shape, dim, group_size) == expected
 
 
-@pytest.mark.parametrize("name", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("name", ["fp8", "int8", "int4", "int2", "int1"])
 def test_decoding_a_slice_into_a_buffer_matches_decoding_it_alone(name):
     codec = get_codec(name)
     for dim, group_size in ((TOKENS, 4), (CHANNELS, 4), (CHANNELS, 3)):  # the last: ragged channel groups
@@ -109,7 +128,8 @@ def test_attention_error_falls_as_bits_rise():
     err = {name: codec_error(name, q, k, v, group_size=32) for name in CODECS}
     # Per-group int8 (about 8 bits in a small range) beats e4m3 (3 mantissa bits) on the same groups. fp32 stores
     # the input unchanged, so its attention is the same kernel on the same data as the reference: exactly 0.
-    assert err["int4"] > err["fp8"] > err["int8"] > err["bf16"] > err["fp16"] > err["fp32"] == 0.0, err
+    order = ["int1", "int2", "int4", "fp8", "int8", "bf16", "fp16", "fp32"]
+    assert all(err[a] > err[b] for a, b in itertools.pairwise(order)) and err["fp32"] == 0.0, err
 
 
 # -- the quantized cache -------------------------------------------------------------------------------------------
@@ -138,7 +158,7 @@ def _queries(t: int, seed: int) -> torch.Tensor:
     return _randn(2, 2, 2, t, 16, seed=seed) / 4
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2", "fp8"])
 @pytest.mark.parametrize("key_quant", ["per-channel", "per-token"])
 @pytest.mark.parametrize("chunk_size", [16, 24, 128], ids=["divides", "does-not-divide", "one-chunk"])
 def test_chunked_equals_naive(codec, key_quant, chunk_size):
@@ -247,7 +267,8 @@ def test_read_returns_residual_tokens_exactly_and_quantized_ones_within_half_a_s
 
 
 @pytest.mark.parametrize(
-    ("codec", "payload_bytes", "n_stats"), [("int8", 1, 2), ("int4", 0.5, 2), ("fp8", 1, 1), ("fp16", 2, 0)]
+    ("codec", "payload_bytes", "n_stats"),
+    [("int8", 1, 2), ("int4", 0.5, 2), ("int2", 0.25, 2), ("fp8", 1, 1), ("fp16", 2, 0)],
 )
 @pytest.mark.parametrize("attention", ["chunked", "naive"])
 def test_bytes_match_a_hand_count(codec, payload_bytes, n_stats, attention):
@@ -256,7 +277,7 @@ def test_bytes_match_a_hand_count(codec, payload_bytes, n_stats, attention):
     _filled([cache], [41, *[1] * 9], n_layers=L)  # 50 tokens: (50 - 7) // 4 * 4 = 40 quantized, 10 residual
 
     def quantized(n: int) -> float:  # n tokens, K and V, all layers and sequences
-        payload = 2 * L * B * H * n * D * payload_bytes
+        payload = 2 * L * B * H * n * math.ceil(D * payload_bytes)  # a packed row ends in a whole byte
         key_stats = L * B * H * (n // G) * D * n_stats * 2  # per channel, one per group of G tokens; fp16
         value_stats = L * B * H * n * math.ceil(D / G) * n_stats * 2  # per token, one per group of G channels
         return payload + key_stats + value_stats
@@ -301,7 +322,7 @@ def test_a_sliding_window_is_refused():
 @pytest.mark.parametrize(
     ("kw", "match"),
     [
-        (dict(codec="int3"), r"codec: .*'int3'.*allowed: fp32, fp16, bf16, fp8, fp8-tensor, int8, int4"),
+        (dict(codec="int3"), r"codec: .*'int3'.*allowed: fp32, fp16, bf16, fp8, fp8-tensor, int8, int4, int2, int1"),
         (dict(group_size=0), r"group_size: 0 .*allowed: an integer >= 1"),
         (dict(group_size=2.5), r"group_size: 2.5 .*allowed: an integer >= 1"),
         (dict(residual=-1), r"residual: -1 .*allowed: an integer >= 0"),
@@ -321,8 +342,10 @@ def test_bad_cache_arguments_name_the_argument_and_the_allowed_values(kw, match)
 
 
 def test_bad_codec_arguments_name_the_argument_and_the_allowed_values():
-    with pytest.raises(ValueError, match=r"codec: .*'int2'.*allowed: fp32, fp16, bf16, fp8, fp8-tensor, int8, int4"):
-        get_codec("int2")
+    with pytest.raises(ValueError, match=r"codec: .*'int3'.*allowed: fp32, fp16, bf16, fp8, fp8-tensor, int8, int4"):
+        get_codec("int3")
+    with pytest.raises(ValueError, match=r"bits: 3; allowed: 8, 4, 2, 1"):
+        IntCodec(3)
     with pytest.raises(ValueError, match=r"group_size: -4 .*allowed: an integer >= 1"):
         get_codec("int8").encode(_randn(4, 8), group_size=-4)
     with pytest.raises(ValueError, match=r"group_dim: 2 .*allowed: a dimension in \[-2, 1\]"):

@@ -237,7 +237,8 @@ def test_a_config_missing_a_key_is_named(capsys, tmp_path: Path) -> None:
 def test_shipped_quality_table_is_the_one_in_docs_measurements() -> None:
     parsed = quality_table_from_measurements((REPO / "docs" / "measurements.md").read_text())
     assert quality_table() == parsed
-    assert {"full", "fp8", "int8", "int4", "window-256", "h2o-128"} <= {row["policy"] for row in parsed["rows"]}
+    policies = {"full", "fp8", "fp8-tensor", "int8", "int4", "window-256", "h2o-128"}
+    assert policies <= {row["policy"] for row in parsed["rows"]}
 
 
 def test_report_without_measure_imports_no_torch(tmp_path: Path) -> None:
@@ -288,11 +289,17 @@ def test_deepseek_v3_report_drafts_with_its_mtp_head(capsys, tmp_path: Path) -> 
     assert "arXiv 2412.19437" in row["citation"] and "README_WEIGHTS.md" in row["citation"]
 
 
-def test_fp8_row_models_vllms_per_tensor_cache_and_says_the_quality_is_per_group(capsys, tmp_path: Path) -> None:
+def test_fp8_row_models_vllms_per_tensor_cache_with_the_per_tensor_quality(capsys, tmp_path: Path) -> None:
     r = report(capsys, tmp_path, "--model", "gemma-3-27b", *GPU, "--context", "32k", "--batch", "8")
     rows = {row["key"]: row for row in r["mitigations"]}
     fp8 = rows["kv-fp8"]
     assert fp8["predict_flags"] == ["--kv-dtype", "fp8"] and "one scale per tensor" in fp8["assumption"]
-    assert "zero point" not in fp8["assumption"] and "does not carry over" in fp8["quality"]
+    assert "zero point" not in fp8["assumption"] and "per-tensor scale, the vLLM default" in fp8["name"]
+    # The quality quoted is the measured fp8-tensor row (scale 1.0), not kvlab's per-group fp8 row.
+    table = json.loads((REPO / "kvlab" / "data" / "quality_table.json").read_text())["rows"]
+    measured = {row["policy"]: row for row in table if row["context"] == 512}
+    assert f"-> {measured['fp8-tensor']['ppl']:.3f}" in fp8["quality"] and "left at 1.0" in fp8["quality"]
+    assert "row fp8-tensor at 512 tokens" in fp8["citation"] and "vllm-project/vllm" in fp8["citation"]
+    assert f"-> {measured['int8']['ppl']:.3f}" in rows["kv-int8"]["quality"]
     assert "scale and zero point per group of 32" in rows["kv-int8"]["assumption"]
     assert r["memory"]["fits"] and r["memory"]["max_batch_at_context"] == 8  # tied embeddings: 54.02 GB of weights

@@ -15,10 +15,16 @@ Codecs (names and aliases as in ``kvlab.dtypes``):
 - ``fp8``: e4m3 (``torch.float8_e4m3fn``), symmetric, one fp16 scale per group (e4m3's exponent covers the rest).
 - ``fp8-tensor``: e4m3 with one scale for the whole tensor, fixed (1.0: vLLM's default without calibration), so
   nothing is stored beside the payload and values past +-448 clip; grouping is ignored.
-- ``int8``, ``int4``: asymmetric, one fp16 scale and one fp16 zero point (the group's minimum) per group;
-  ``x ~= scale * u + zero`` with the code ``u`` in ``[0, 2**bits - 1]``. int8 codes are stored signed
-  (``u - 128``) so that integer matmuls, which take int8, can read them as they are. int4 codes are packed two
-  per byte along the last dimension: element ``2i`` in the low nibble of byte ``i``, ``2i + 1`` in the high one.
+- ``int8``, ``int4``, ``int2``, ``int1``: asymmetric, one fp16 scale and one fp16 zero point (the group's
+  minimum) per group; ``x ~= scale * u + zero`` with the code ``u`` in ``[0, 2**bits - 1]``. int8 codes are
+  stored signed (``u - 128``) so that integer matmuls, which take int8, can read them as they are. Narrower codes
+  are packed ``8 / bits`` per byte along the last dimension, the first in the lowest bits: int4's element ``2i``
+  in the low nibble of byte ``i`` and ``2i + 1`` in the high one, int2's ``4i .. 4i + 3`` in bits 0-1 .. 6-7.
+  int2 is KIVI's 2-bit setting; int1 (each number becomes its group's minimum or maximum) is the end of the
+  scale, where lesson 09 shows the model's quality break. Both are codecs of ``QuantizedKVCache`` only, not
+  ``kvlab.dtypes.KV_DTYPES``: the byte model, ``predict``, ``report``, the per-slot stores and the GPU kernels
+  (which tell int4 from int8 by the payload's dtype) cover fp8, int8 and int4; int2 and int1 are here so the
+  lesson can run its quality curve down to where it bends.
 
 Scales and zero points are fp16, as in KIVI; they are rounded (zero down, scale up) so that no element of a
 group clips, which keeps the int error within ``scale / 2``. Values must lie within fp16's range (+-65504).
@@ -35,19 +41,20 @@ import torch
 from kvlab.dtypes import canonical_dtype, to_torch
 from kvlab.validation import require_int
 
-CODECS: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "fp8-tensor", "int8", "int4")
+CODECS: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "fp8-tensor", "int8", "int4", "int2", "int1")
 STATS_DTYPE = torch.float16
 _FP16_TINY = 2.0**-24  # the smallest positive fp16: a floor for scales, so a constant group divides safely
 _FP8_MAX = 448.0  # largest finite e4m3fn value
+INT_BITS: tuple[int, ...] = (8, 4, 2, 1)  # the integer widths IntCodec stores (packed below a byte)
 
 
 @dataclass(frozen=True)
 class Encoded:
     """A tensor in its stored form.
 
-    ``shape``: the logical (decoded) shape. ``payload``: the codes, shaped like ``shape`` except that int4 packs
-    the last dimension to ``ceil(n / 2)`` bytes. ``scale``, ``zero``: ``shape`` with ``group_dim`` cut to
-    ``ceil(n / group_size)``, or ``None`` for a codec that has none.
+    ``shape``: the logical (decoded) shape. ``payload``: the codes, shaped like ``shape`` except that int4, int2
+    and int1 pack the last dimension to ``ceil(n * bits / 8)`` bytes. ``scale``, ``zero``: ``shape`` with
+    ``group_dim`` cut to ``ceil(n / group_size)``, or ``None`` for a codec that has none.
     """
 
     payload: torch.Tensor
@@ -220,15 +227,18 @@ class Fp8TensorCodec(Codec):
 
 
 class IntCodec(Codec):
-    """Asymmetric ``bits``-bit integers (8 or 4): ``x ~= scale * u + zero`` per group, ``u`` in ``[0, 2**bits - 1]``."""
+    """Asymmetric ``bits``-bit integers (``INT_BITS``): ``x ~= scale * u + zero`` per group, ``u`` in
+    ``[0, 2**bits - 1]``."""
 
     has_scale = has_zero = True
 
     def __init__(self, bits: int) -> None:
+        if bits not in INT_BITS:
+            raise ValueError(f"bits: {bits!r}; allowed: {', '.join(map(str, INT_BITS))}")
         self.bits = bits
         self.name = f"int{bits}"
         self.qmax = 2**bits - 1
-        # int8 codes are stored as u - 128 (see the module docstring); int4 nibbles hold u itself.
+        # int8 codes are stored as u - 128 (see the module docstring); packed codes hold u itself.
         self.offset = 128 if bits == 8 else 0
 
     @property
@@ -237,8 +247,7 @@ class IntCodec(Codec):
 
     def _shapes(self, shape, group_dim, group_size):
         payload_shape, stats_shape = super()._shapes(shape, group_dim, group_size)
-        if self.bits == 4:
-            payload_shape[-1] = math.ceil(payload_shape[-1] / 2)
+        payload_shape[-1] = math.ceil(payload_shape[-1] * self.bits / 8)
         return payload_shape, stats_shape
 
     def _encode(self, x, group_dim, group_size):
@@ -248,12 +257,13 @@ class IntCodec(Codec):
         scale = _to_fp16(span / self.qmax, round_up=True)
         u = ((xg - zero.float()) / scale.float()).round_().clamp_(0, self.qmax)
         u = _ungrouped(u, group_dim, x.shape[group_dim])
-        payload = (u - self.offset).to(torch.int8) if self.bits == 8 else pack_int4(u.to(torch.uint8))
+        payload = (u - self.offset).to(torch.int8) if self.bits == 8 else pack_codes(u.to(torch.uint8), self.bits)
         return payload, scale.squeeze(group_dim + 1), zero.squeeze(group_dim + 1)
 
     def codes(self, enc: Encoded) -> torch.Tensor:
-        """The stored integer codes, unpacked: int8 ``u - 128`` for int8, uint8 ``u`` for int4. Shape ``enc.shape``."""
-        return enc.payload if self.bits == 8 else unpack_int4(enc.payload, enc.shape[-1])
+        """The stored integer codes, unpacked: int8 ``u - 128`` for int8, uint8 ``u`` for the packed widths. Shape
+        ``enc.shape``."""
+        return enc.payload if self.bits == 8 else unpack_codes(enc.payload, enc.shape[-1], self.bits)
 
     def bias(self, enc: Encoded) -> torch.Tensor:
         """fp32 per-group term ``b`` with ``x ~= scale * code + b`` for the codes of ``codes()``."""
@@ -272,21 +282,31 @@ def get_codec(name: str | Codec) -> Codec:
         return Fp8Codec()
     if key == "fp8-tensor":
         return Fp8TensorCodec()
-    if key in ("int8", "int4"):
+    if key.startswith("int"):
         return IntCodec(int(key[3:]))
     return CastCodec(key)
 
 
-def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes in ``[0, 15]``, ``[..., n]`` -> ``[..., ceil(n / 2)]`` bytes (an odd ``n`` is padded with 0)."""
-    if codes.shape[-1] % 2:
-        codes = torch.cat((codes, codes.new_zeros(*codes.shape[:-1], 1)), dim=-1)
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes in ``[0, 2**bits - 1]``, ``[..., n]`` -> ``[..., ceil(n * bits / 8)]`` bytes, ``8 / bits`` codes
+    per byte, the first in the lowest bits (a last byte left short is padded with 0). ``bits``: 4, 2 or 1."""
+    per_byte = 8 // bits
+    pad = -codes.shape[-1] % per_byte
+    if pad:
+        codes = torch.cat((codes, codes.new_zeros(*codes.shape[:-1], pad)), dim=-1)
+    lanes = codes.unflatten(-1, (-1, per_byte))
+    packed = lanes[..., 0].clone()
+    for i in range(1, per_byte):
+        packed |= lanes[..., i] << (bits * i)
+    return packed
 
 
-def unpack_int4(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """``[..., m]`` bytes -> uint8 codes ``[..., n]``, the inverse of ``pack_int4`` for ``n <= 2m``."""
-    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)[..., :n]
+def unpack_codes(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    """``[..., m]`` bytes -> uint8 codes ``[..., n]``, the inverse of ``pack_codes`` for ``n <= m * 8 / bits``."""
+    per_byte, mask = 8 // bits, 2**bits - 1
+    # The top lane needs no mask: the shift empties the bits above it (this runs on the cache's hot path).
+    lanes = [packed & mask, *((packed >> (bits * i)) & mask for i in range(1, per_byte - 1)), packed >> (8 - bits)]
+    return torch.stack(lanes, dim=-1).flatten(-2)[..., :n]
 
 
 def _check_grouping(ndim: int, group_dim: int, group_size: int) -> int:

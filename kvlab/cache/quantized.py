@@ -162,7 +162,8 @@ class QuantizedKVCache(SlabKVCache):
         if self.attention == "int-dot" and t == 1:
             return self._attend_int_dot(layer, q[..., 0, :].float()).unsqueeze(-2).to(q.dtype)
         fused = fused_kernels(q.device) if t == 1 else None
-        if fused is not None:
+        # The GPU kernels know fp8 / int8 / int4 codes by their dtype; int2 and int1 (uint8 too) take the chunked path.
+        if fused is not None and self.codec.name in fused.CODECS:
             return self._attend_fused(fused, layer, q[..., 0, :].float()).unsqueeze(-2).to(q.dtype)
         # Rows of the query matrix are (query head in group, new token): [B, Hkv, G * T, D].
         q_pos = torch.arange(self._start, self._length, device=q.device).repeat(g)
