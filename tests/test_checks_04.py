@@ -257,6 +257,19 @@ def test_max_batch_for_memory_ignoring_kv_dtype_fails():
     assert_fails(checks.check_max_batch_for_memory, bf16, match="kv_dtype")
 
 
+@pytest.mark.parametrize("rounding", [round, math.ceil])
+def test_max_batch_for_memory_rounding_is_named_as_rounding(rounding):
+    """Rounding to the nearest (or up) and subtracting the weights one step reads give one count for Llama 3.1 8B:
+    the message must name the rounding, from a case where only the rounding gives that count."""
+
+    def rounds(cfg, memory, context, kv_dtype=None):
+        free = memory - roofline.weight_bytes(cfg)
+        return max(0, rounding(free / (context * roofline.kv_bytes_per_token(cfg, kv_dtype))))
+
+    message = assert_fails(checks.check_max_batch_for_memory, rounds, match=r"rounds up, or to the nearest")
+    assert "one step reads" not in message and "every weight" not in message
+
+
 def test_max_batch_for_memory_float_is_rejected():
     assert_fails(checks.check_max_batch_for_memory, lambda *a: float(max_batch_for_memory(*a)), match="int")
 

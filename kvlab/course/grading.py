@@ -150,6 +150,28 @@ def _exact_int(
         _fail(quantity, got, f"number of {unit}", fix + _hint(got, want, reveal, unit, slips), want, reveal)
 
 
+def _exact_ints(trials: Sequence[tuple[str, Any, int, str, str, bool, Slips, str]]) -> None:
+    """``_exact_int`` over several cases of one exercise, each ``(quantity, got, want, unit, fix, reveal, slips,
+    to_int)``, failing on the case that names the slip best.
+
+    Two slips can give one value in one case and different values in another (rounding to the nearest and
+    subtracting what a step reads both land one sequence above the right count, for some models). Where they agree,
+    their value cannot tell which was made, so it names neither there; the failure is taken from the first case whose
+    wrong value one slip alone explains, else from the first wrong case.
+    """
+
+    def clear(slips: Slips) -> Slips:
+        return [(v, s) for v, s in slips if not any(math.isclose(v, w) and s != t for w, t in slips)]
+
+    wrong = [t for t in trials if not (_is_int(t[1]) and t[1] == t[2])]
+    if not wrong:
+        return
+    mistyped = next((t for t in wrong if not _is_int(t[1])), None)
+    named = next((t for t in wrong if any(math.isclose(t[1], v) for v, _ in clear(t[6]))), None)
+    quantity, got, want, unit, fix, reveal, slips, to_int = mistyped or named or wrong[0]
+    _exact_int(quantity, got, want, unit, fix, reveal, clear(slips), to_int)
+
+
 def _close(
     quantity: str,
     got: Any,
