@@ -38,6 +38,18 @@ class Reading:
     unmet: tuple[str, ...] = ()
     takes: int = 1
 
+    def headline(self) -> str:
+        """The verdict without the figures, for a measurement cell whose figures an exercise below asks the learner
+        to compute: printing them there would give the answer away. ``str()`` of the reading, printed after the
+        exercise, gives the figures and the reasons."""
+        tries = f" (measurement {self.takes} of at most {TAKES})" if self.takes > 1 else ""
+        if self.seen:
+            return f"Readable{tries}; the figures are printed after the exercise that computes them."
+        return (
+            f"NOT READABLE{tries}: this run does not show the effect (why is printed after the exercise that "
+            "computes the figures); other processes' load is the likeliest cause."
+        )
+
     def __str__(self) -> str:
         tries = f" (measurement {self.takes} of at most {TAKES})" if self.takes > 1 else ""
         if self.seen:
