@@ -349,6 +349,15 @@ def test_batch_reading_does_not_see_an_intercept_that_shrank():
     assert not seen.seen and "shrank" in str(seen)
 
 
+def test_headline_gives_the_verdict_without_the_figures():
+    """A measurement cell above an exercise prints the headline: the ratios the exercise asks for stay unprinted."""
+    bent = lines(4, 4 * 5e-4 * 1.76 / 4, 3.0 * 3.65)
+    for data, verdict in ((GOOD, "Readable"), (bent, "NOT READABLE")):
+        seen = checks.batch_reading(CONTEXTS, data)
+        kv_ratio = f"{fit_line(CONTEXTS, data[4]).slope / fit_line(CONTEXTS, data[1]).slope:.2f}"
+        assert kv_ratio in str(seen) and kv_ratio not in seen.headline() and seen.headline().startswith(verdict)
+
+
 def test_retake_measures_again_while_unreadable_and_stops_at_takes():
     """The measurement cell's retake: the batch lines measured again until readable, at most TAKES times."""
     bent = lines(4, 4 * 5e-4 * 1.76 / 4, 3.0 * 3.65)
