@@ -190,6 +190,16 @@ def test_prefix_hit_tokens_slips(wrong, match):
     assert_fails(checks.check_prefix_hit_tokens, wrong, block_hashes, match=match)
 
 
+def test_prefix_hit_tokens_counting_every_cached_block_fails():
+    """The learner review's accepted slip: every cached block counted, the walk not stopped at the first miss."""
+
+    def every_cached(cached, tokens, size):
+        hashes = block_hashes(tokens, size)
+        return min(sum(h in cached for h in hashes), (len(tokens) - 1) // size) * size
+
+    assert_fails(checks.check_prefix_hit_tokens, every_cached, block_hashes, match="counts every cached block")
+
+
 def test_prefix_hit_tokens_hidden_style_withholds_expected_value():
     message = assert_fails(
         l05.check_prefix_hit_tokens,

@@ -213,6 +213,20 @@ def check_prefix_hit_tokens(
         fix = "Count the leading blocks whose hash is cached (stop at the first miss), times block_size, capped."
         got = _call(label, fn, set(hashes), list(query), size)
         _exact_int(label, got, want, "tokens", fix, reveal, [(v, s) for v, s in slips if v != want])
+    _check_hit_walk_stops(fn, block_hashes)
+
+
+def _check_hit_walk_stops(fn: Callable[[set, Sequence[int], int], int], block_hashes: Callable) -> None:
+    """A cached set with a hole: every block of ``_CHAT`` but the second. No cache of chained hashes holds such a set
+    (a block is cached only after its parent, and evicted before it), so counting every cached block agrees with the
+    walk on every real cache; the lesson's rule still decides this one: the first miss ends the walk, one block hit.
+    The learner review found the count of every cached block accepted without this case."""
+    hashes = list(_call("block_hashes (exercise 1; this check uses it)", block_hashes, list(_CHAT), 16))
+    label = "prefix_hit_tokens(every block of a 70-token prompt cached but the second, that prompt, 16)"
+    got = _call(label, fn, set(hashes[:1] + hashes[2:]), list(_CHAT), 16)
+    slips = ((48, "It counts every cached block: the walk stops at the first block whose hash is not cached."),)
+    fix = "Count the leading blocks whose hash is cached, stopping at the first miss, times block_size."
+    _exact_int(label, got, 16, "tokens", fix, True, slips)
 
 
 # -- exercise 3: a chat's hits, turn by turn --------------------------------------------------------------------------
