@@ -85,6 +85,7 @@ def tell(effect: str, seen: Reading) -> None:
     if not seen.seen:
         print(
             f"Your numbers match your measurement: that is what is graded. The measurement itself did not show "
-            f"{effect} on this run ({'; '.join(seen.unmet)}), so it neither confirms nor refutes the lesson, and the "
-            "grade does not depend on it. Re-run the measurement cell when the machine is quieter to see the effect."
+            f"{effect} on this run ({'; '.join(seen.unmet)}), so it does not confirm the lesson (where it went the "
+            "other way, load falling unevenly on what was compared is the likeliest cause), and the grade does not "
+            "depend on it. Re-run the measurement cell when the machine is quieter to see the effect."
         )
