@@ -40,6 +40,7 @@ from kvlab.timing import load_average  # noqa: E402
 MEASURED: dict[str, tuple[str, ...]] = {
     "03_measuring_tpot": ("check_slope_band", "check_ab_slopes"),
     "04_batching": ("check_batch_ratios",),
+    "05_prefix_caching": ("check_ttft_saved", "check_tpot_after_hit", "check_cascade_slopes"),
     "06_gqa_mqa_mla": ("check_layout_ratios", "check_absorbed_share"),
     "07_window_sinks": ("check_window_share",),
     "08_heavy_hitters": ("check_chat_time",),

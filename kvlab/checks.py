@@ -38,6 +38,7 @@ from kvlab.course.lesson03_measuring_tpot import (
     AB_MIN_RATIO,
     SLOPE_BAND,
     SLOPE_MIN_R2,
+    ab_reading,
     check_ab_slopes,
     check_concat_cache,
     check_crossover_context,
@@ -64,6 +65,7 @@ from kvlab.course.lesson05_prefix_caching import (
     CASCADE_MAX_RATIO,
     TPOT_BAND,
     TTFT_MIN_TRACKING,
+    cascade_reading,
     check_block_hashes,
     check_blocks_needed,
     check_cascade_bytes,
@@ -72,6 +74,8 @@ from kvlab.course.lesson05_prefix_caching import (
     check_tpot_after_hit,
     check_ttft_saved,
     check_turn_hits,
+    tpot_reading,
+    ttft_reading,
 )
 from kvlab.course.lesson06_gqa_mqa_mla import (
     ABSORBED_MAX_SHARE,
@@ -249,4 +253,8 @@ __all__ = [
     "setup_lesson",
     "slope_reading",
     "window_reading",
+    "ab_reading",
+    "cascade_reading",
+    "tpot_reading",
+    "ttft_reading",
 ]

@@ -257,6 +257,19 @@ def test_max_batch_for_memory_ignoring_kv_dtype_fails():
     assert_fails(checks.check_max_batch_for_memory, bf16, match="kv_dtype")
 
 
+@pytest.mark.parametrize("rounding", [round, math.ceil])
+def test_max_batch_for_memory_rounding_is_named_as_rounding(rounding):
+    """Rounding to the nearest (or up) and subtracting the weights one step reads give one count for Llama 3.1 8B:
+    the message must name the rounding, from a case where only the rounding gives that count."""
+
+    def rounds(cfg, memory, context, kv_dtype=None):
+        free = memory - roofline.weight_bytes(cfg)
+        return max(0, rounding(free / (context * roofline.kv_bytes_per_token(cfg, kv_dtype))))
+
+    message = assert_fails(checks.check_max_batch_for_memory, rounds, match=r"rounds up, or to the nearest")
+    assert "one step reads" not in message and "every weight" not in message
+
+
 def test_max_batch_for_memory_float_is_rejected():
     assert_fails(checks.check_max_batch_for_memory, lambda *a: float(max_batch_for_memory(*a)), match="int")
 
@@ -334,6 +347,15 @@ def test_batch_reading_does_not_see_an_intercept_that_shrank():
     shrunk = lines(4, 4 * 5e-4 * 1.48, -0.07 * 3.0)
     seen = checks.batch_reading(CONTEXTS, shrunk)
     assert not seen.seen and "shrank" in str(seen)
+
+
+def test_headline_gives_the_verdict_without_the_figures():
+    """A measurement cell above an exercise prints the headline: the ratios the exercise asks for stay unprinted."""
+    bent = lines(4, 4 * 5e-4 * 1.76 / 4, 3.0 * 3.65)
+    for data, verdict in ((GOOD, "Readable"), (bent, "NOT READABLE")):
+        seen = checks.batch_reading(CONTEXTS, data)
+        kv_ratio = f"{fit_line(CONTEXTS, data[4]).slope / fit_line(CONTEXTS, data[1]).slope:.2f}"
+        assert kv_ratio in str(seen) and kv_ratio not in seen.headline() and seen.headline().startswith(verdict)
 
 
 def test_retake_measures_again_while_unreadable_and_stops_at_takes():

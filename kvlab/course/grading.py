@@ -1,5 +1,5 @@
 """What every lesson's checkers share: quick mode, the lesson setup, calling the learner's function, comparing its
-answer, wording the failure, and measuring again before a timing is judged.
+answer and wording the failure. (Measuring again until a timing is readable is ``kvlab.course.measured``'s.)
 
 A wrong answer raises ``AssertionError`` whose message names the quantity, the form expected (units, an integer
 number of bytes, ...) and what to fix. Exact arithmetic is compared exactly, against ``kvlab``'s own functions.
@@ -150,6 +150,28 @@ def _exact_int(
         _fail(quantity, got, f"number of {unit}", fix + _hint(got, want, reveal, unit, slips), want, reveal)
 
 
+def _exact_ints(trials: Sequence[tuple[str, Any, int, str, str, bool, Slips, str]]) -> None:
+    """``_exact_int`` over several cases of one exercise, each ``(quantity, got, want, unit, fix, reveal, slips,
+    to_int)``, failing on the case that names the slip best.
+
+    Two slips can give one value in one case and different values in another (rounding to the nearest and
+    subtracting what a step reads both land one sequence above the right count, for some models). Where they agree,
+    their value cannot tell which was made, so it names neither there; the failure is taken from the first case whose
+    wrong value one slip alone explains, else from the first wrong case.
+    """
+
+    def clear(slips: Slips) -> Slips:
+        return [(v, s) for v, s in slips if not any(math.isclose(v, w) and s != t for w, t in slips)]
+
+    wrong = [t for t in trials if not (_is_int(t[1]) and t[1] == t[2])]
+    if not wrong:
+        return
+    mistyped = next((t for t in wrong if not _is_int(t[1])), None)
+    named = next((t for t in wrong if any(math.isclose(t[1], v) for v, _ in clear(t[6]))), None)
+    quantity, got, want, unit, fix, reveal, slips, to_int = mistyped or named or wrong[0]
+    _exact_int(quantity, got, want, unit, fix, reveal, clear(slips), to_int)
+
+
 def _close(
     quantity: str,
     got: Any,
@@ -198,22 +220,3 @@ def _timed_together(sweeps: Mapping[str, Any], fix: str) -> None:
                 f"one Bandwidth object shared with {first_name}",
                 "Time them interleaved, in this kernel, against one bandwidth measurement.",
             )
-
-
-# -- measuring again before failing ---------------------------------------------------------------------------------
-def _measure_again(
-    accept: Callable[[float], bool], measure: Callable[[], float | None], times: int, value: float | None = None
-) -> float | None:
-    """The first of ``value`` and up to ``times`` fresh ``measure()`` results that ``accept`` takes, else the last.
-
-    A checker that judges a timing calls this before it fails: a burst of load on a shared machine can put one
-    measurement of correct code outside its band, but not several in a row, while code that really does the wrong
-    amount of work stays outside however often it is measured. Without ``value`` the first measurement is taken
-    here too (``times`` more after it). ``measure`` returns None where it cannot measure again; that ends the tries.
-    """
-    value = measure() if value is None else value
-    for _ in range(times):
-        if value is None or accept(value):
-            break
-        value = measure()
-    return value

@@ -38,6 +38,18 @@ class Reading:
     unmet: tuple[str, ...] = ()
     takes: int = 1
 
+    def headline(self) -> str:
+        """The verdict without the figures, for a measurement cell whose figures an exercise below asks the learner
+        to compute: printing them there would give the answer away. ``str()`` of the reading, printed after the
+        exercise, gives the figures and the reasons."""
+        tries = f" (measurement {self.takes} of at most {TAKES})" if self.takes > 1 else ""
+        if self.seen:
+            return f"Readable{tries}; the figures are printed after the exercise that computes them."
+        return (
+            f"NOT READABLE{tries}: this run does not show the effect (why is printed after the exercise that "
+            "computes the figures); other processes' load is the likeliest cause."
+        )
+
     def __str__(self) -> str:
         tries = f" (measurement {self.takes} of at most {TAKES})" if self.takes > 1 else ""
         if self.seen:
@@ -73,6 +85,7 @@ def tell(effect: str, seen: Reading) -> None:
     if not seen.seen:
         print(
             f"Your numbers match your measurement: that is what is graded. The measurement itself did not show "
-            f"{effect} on this run ({'; '.join(seen.unmet)}), so it neither confirms nor refutes the lesson, and the "
-            "grade does not depend on it. Re-run the measurement cell when the machine is quieter to see the effect."
+            f"{effect} on this run ({'; '.join(seen.unmet)}), so it does not confirm the lesson (where it went the "
+            "other way, load falling unevenly on what was compared is the likeliest cause), and the grade does not "
+            "depend on it. Re-run the measurement cell when the machine is quieter to see the effect."
         )
