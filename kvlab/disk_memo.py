@@ -9,7 +9,8 @@ and ``compute`` runs every time). ``python -m autograde`` sets it for the kernel
 An entry is found only by the same ``key`` under the same code: its file name hashes the key with every source
 and data file of the installed ``kvlab`` package, the Python and torch versions and the machine type, so an
 upgrade or a local edit never reads an older result. Only results that are a function of their key belong here
-(a replay on the simulated clock; greedy decoding on one machine), never a timing.
+(a replay on the simulated clock; greedy answers on one machine); a timing kept with such a result (the wall clock
+of a replay on the checkpoint) is the storing run's.
 
 The files are pickles. Only put the folder where nobody but the grader writes: a pickle runs code when read.
 """
@@ -44,11 +45,14 @@ def remembered(kind: str, key: Hashable, compute: Callable[[], T]) -> T:
     except Exception:  # noqa: BLE001 (missing, torn or foreign: computed again, and replaced below)
         pass
     value = compute()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Written aside, then renamed: parallel graders (``--jobs``) never read half a file.
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
-        f.write(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
-    os.replace(f.name, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Written aside, then renamed: parallel graders (``--jobs``) never read half a file.
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
+            f.write(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+        os.replace(f.name, path)
+    except OSError:  # a folder it cannot write: the result stands, only the saving is lost
+        pass
     return value
 
 

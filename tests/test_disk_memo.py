@@ -81,3 +81,12 @@ def test_an_incident_replay_read_back_is_the_replay(monkeypatch, tmp_path, kind)
     assert results[0] == results[1]
     if kind == "quality":
         assert (read.recall, read.ppl, read.full_ppl) == (stored.recall, stored.ppl, stored.full_ppl)
+
+
+def test_a_folder_it_cannot_write_costs_the_saving_not_the_result(monkeypatch, tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv(CACHE_ENV, str(blocked / "memo"))
+    compute = Counter()
+    assert remembered("kind", 1, compute) == {"value": [1]}
+    assert remembered("kind", 1, compute) == {"value": [2]}
