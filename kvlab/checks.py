@@ -63,6 +63,7 @@ from kvlab.course.lesson04_batching import (
 )
 from kvlab.course.lesson05_prefix_caching import (
     CASCADE_MAX_RATIO,
+    CASCADE_MIN_OF_BYTES,
     TPOT_BAND,
     TTFT_MIN_TRACKING,
     cascade_reading,
@@ -149,6 +150,7 @@ __all__ = [
     "AB_MIN_RATIO",
     "BATCH_MIN_R2",
     "CASCADE_MAX_RATIO",
+    "CASCADE_MIN_OF_BYTES",
     "CODEC_MIN_OF_BYTES",
     "CODEC_MIN_R2",
     "COPY_BAND",

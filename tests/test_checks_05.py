@@ -424,6 +424,16 @@ def test_cascade_unreadable_sweep_is_told_not_failed(capsys):
     unseen(capsys, "above 0.8")
 
 
+def test_cascade_line_flatter_than_its_bytes_allow_is_not_read_as_the_effect(capsys):
+    """The second playtest: a cascade line that fell as the prefix grew (ratio -0.18) read as readable."""
+    for slope in (-1.5, 0.3):  # ratios -0.19 and 0.0375, under half of the bytes' 1/8
+        tilted = cascade_sweep(cascade_slope=slope)
+        assert not l05.cascade_reading(tilted).seen
+        checks.check_cascade_slopes(1 / 8, slope / 8, tilted)
+        unseen(capsys, "load tilted a line")
+    assert l05.cascade_reading(cascade_sweep(cascade_slope=0.6)).seen  # 0.075: above the floor, noise allowed
+
+
 def test_cascade_sweep_that_contradicts_the_lesson_says_so(capsys):
     steeper = cascade_sweep(cascade_slope=9.0)
     checks.check_cascade_slopes(1 / 8, 9.0 / 8, steeper)

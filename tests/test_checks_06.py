@@ -242,6 +242,15 @@ def test_mla_kv_bytes_slips_are_named():
 
     assert_fails(checks.check_mla_kv_bytes, v_as_wide_as_k, match="V is v_head_dim")
 
+    def truncated(cfg, size):  # the second playtest's accepted slip: int() where the exercise says round
+        m = cfg.mla
+        latent = cfg.n_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * size
+        return int(latent), int(
+            cfg.n_layers * cfg.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * size
+        )
+
+    assert_fails(checks.check_mla_kv_bytes, truncated, match="truncates")
+
 
 # -- exercise 6 ------------------------------------------------------------------------------------------------------
 def test_absorbed_share_inverted_and_not_seen(capsys):
@@ -254,6 +263,10 @@ def test_absorbed_share_inverted_and_not_seen(capsys):
     # sweeps passed the wrong way round: graded on the arithmetic, and read as not showing the effect
     checks.check_absorbed_share(naive.fit.slope / absorbed.fit.slope, absorbed, naive)
     assert "40.00 of the naive one" in not_seen_note(capsys)
+    # the second playtest: an absorbed line that fell with the context read as readable
+    falling = fake_sweep(-0.5, 640.0, intercept_ms=20.0)
+    checks.check_absorbed_share(falling.fit.slope / naive.fit.slope, naive, falling)
+    assert "fell as the context grew" in not_seen_note(capsys)
 
 
 # -- exercises 7 and 8 -----------------------------------------------------------------------------------------------

@@ -4,6 +4,8 @@ fabricated sweeps and results (the remeasure replaced), so nothing here is timed
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from autograde import hidden
@@ -117,6 +119,10 @@ def test_window_bytes_read_slips():
     )
     assert_fails(checks.check_window_bytes_read, lambda c, n, w, s, d: per_token(c, d) * n, match="whole context")
     assert_fails(checks.check_window_bytes_read, lambda c, n, w, s, d: 1.5, match="an int")
+    # The second playtest's accepted slip: the model's dtype in place of kv_dtype.
+    assert_fails(
+        checks.check_window_bytes_read, lambda c, n, w, s, d: per_token(c) * min(n, w + s), match="model's dtype"
+    )
 
 
 def test_window_bytes_read_hidden_head_dim():
@@ -140,12 +146,17 @@ def test_passkey_kept_truncating_the_position_fails():
     """The learner review's accepted slip: int() where the text and needle_prompts round()."""
     truncated = lambda c, d, w, s: int(d * (c - 2)) in kept_positions(c, w, s)  # noqa: E731
     assert_fails(checks.check_passkey_kept, truncated, match=r"round\(\)")
+    rounded_up = lambda c, d, w, s: math.ceil(d * (c - 2)) in kept_positions(c, w, s)  # noqa: E731
+    assert_fails(checks.check_passkey_kept, rounded_up, match="rounded up")
 
 
 # -- exercise 7 ----------------------------------------------------------------------------------------------------
 def test_largest_distance_slips():
     assert_fails(checks.check_largest_distance, lambda n, w, s, p: min(n, w) - 1, match="sink")
     assert_fails(checks.check_largest_distance, lambda n, w, s, p: n - 1, match="re-assigned")
+    # The second playtest's accepted slip: re-assigned, as if the cache were always full.
+    full = lambda n, w, s, p: n - 1 - kept_positions(n, w, s)[0] if p == "original" else s + w - 1  # noqa: E731
+    assert_fails(checks.check_largest_distance, full, match="until it fills")
 
 
 # -- exercise 4, measured ----------------------------------------------------------------------------------------------

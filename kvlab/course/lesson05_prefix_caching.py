@@ -618,8 +618,11 @@ def check_cascade_bytes(fn: Callable[[int, int, int, int], tuple[int, int]], cas
 # prefixes of 512-2048 tokens): 21 runs timing 8 steps per point gave 0.08-0.61, 20 runs timing 12 steps (the lesson
 # now) 0.13-0.51; four full-mode runs (cpu-small) 0.36-0.52. A batch that read the prefix once per row would give
 # 1; CASCADE_MAX_RATIO sits between. A sweep is readable (cascade_reading) at that or less, and the sweep cell
-# measures again (kvlab.course.measured.retake) while it is not.
+# measures again (kvlab.course.measured.retake) while it is not. Nor is a ratio under CASCADE_MIN_OF_BYTES of what
+# the bytes predict (a negative one included): the cascade still reads the prefix once, so a line flatter than half
+# of that is load tilting one arm, not the cascade (a learner playtest read -0.18 as readable before this floor).
 CASCADE_MAX_RATIO = 0.8
+CASCADE_MIN_OF_BYTES = 0.5
 
 
 def _slope_ratio(sweep: Mapping[str, Any], per_row: str, cascade: str) -> float:
@@ -631,8 +634,9 @@ def _slope_ratio(sweep: Mapping[str, Any], per_row: str, cascade: str) -> float:
 
 def cascade_reading(sweep: Mapping[str, Any]) -> Reading:
     """Whether ``sweep`` shows the lesson's effect: the cascade's step time grows at most ``CASCADE_MAX_RATIO`` as
-    fast with the prefix as the per-row one's."""
+    fast with the prefix as the per-row one's, and no less than ``CASCADE_MIN_OF_BYTES`` of what the bytes predict."""
     ratio = _slope_ratio(sweep, "per_row_ms", "cascade_ms")
+    floor = CASCADE_MIN_OF_BYTES * _slope_ratio(sweep, "per_row_bytes", "cascade_bytes")
     unmet = []
     if math.isinf(ratio):
         unmet.append("the per-row line did not rise with the prefix, so there is no slope to compare with")
@@ -640,6 +644,11 @@ def cascade_reading(sweep: Mapping[str, Any]) -> Reading:
         unmet.append("the cascade's line was no flatter than the per-row one: the opposite of the lesson")
     elif ratio > CASCADE_MAX_RATIO:
         unmet.append(f"the cascade's slope is {ratio:.2f} of the per-row one, above {CASCADE_MAX_RATIO}")
+    elif ratio < floor:
+        unmet.append(
+            f"the cascade's slope is {ratio:.2f} of the per-row one, under {floor:.3f}, {CASCADE_MIN_OF_BYTES} of what "
+            "its bytes allow: it still reads the prefix once, so load tilted a line"
+        )
     return reading(f"cascade slope / per-row slope {ratio:.3f}", unmet)
 
 

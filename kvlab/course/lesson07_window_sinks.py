@@ -4,6 +4,7 @@ window shows the model."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -166,6 +167,8 @@ def _bytes_models() -> tuple[tuple[ModelConfig, int, int, int, str], ...]:
         (small, 500, 1020, 4, "fp32"),
         (llama, 131_072, 4092, 4, "bf16"),
         (llama, 32_768, 256, 0, "fp16"),
+        (small, 8192, 1020, 4, "bf16"),  # a kv_dtype other than the model's: its bytes, not the model's
+        (llama, 3000, 4092, 4, "fp32"),
     )
 
 
@@ -192,6 +195,10 @@ def check_window_bytes_read(
             (per_token * context, "It reads the whole context: the window cache reads only what it keeps."),
             (want / cfg.n_layers, "It is one layer's bytes: multiply by n_layers."),
             (want * 8, "It is 8 times the expected value: bits per element instead of bytes?"),
+            (
+                kv_bytes_per_token(cfg) * min(context, window + sinks),
+                f"It counts each element at the model's dtype ({cfg.dtype}): the cache stores K/V in kv_dtype.",
+            ),
         )
         fix = "A step reads every token the cache holds, each at its K/V bytes per token in kv_dtype, all layers."
         _exact_int(label, _call(label, fn, cfg, context, window, sinks, kv_dtype), want, "bytes", fix, reveal, slips)
@@ -264,7 +271,8 @@ def _passkey_kept(context: int, depth: float, window: int, sinks: int) -> bool:
 
 
 # (512, 0.8776, 64, 0): depth x (context - 2) = 447.58, which round() puts at the window's oldest position (448)
-# and int() one before it, evicted.
+# and int() one before it, evicted. (512, 0.8769, 64, 0): 447.22, which round() puts at 447, evicted, and
+# math.ceil at 448, kept.
 _PASSKEY_CASES = (
     (512, 0.0, 64, 0),
     (512, 0.0, 64, 4),
@@ -272,6 +280,7 @@ _PASSKEY_CASES = (
     (512, 0.5, 256, 0),
     (1024, 0.9, 128, 4),
     (512, 0.8776, 64, 0),
+    (512, 0.8769, 64, 0),
 )
 
 
@@ -297,8 +306,9 @@ def check_passkey_kept(
                 "The answer comes from the step that reads <|ask|>, when the cache has seen every token of the prompt: "
                 "is the passkey's position in your kept_positions then?"
             )
-            if round(depth * (context - 2)) != int(depth * (context - 2)):
-                fix += " The passkey's position is rounded to the nearest token (round()), not truncated (int())."
+            at = depth * (context - 2)
+            if round(at) != int(at) or round(at) != math.ceil(at):
+                fix += " The passkey's position is rounded to the nearest token (round()), not truncated or rounded up."
             _fail(label, bool(got), "answer (True: kept)", fix, want, reveal)
 
 
@@ -391,6 +401,8 @@ _DISTANCE_CASES = (
     (1024, 64, 4, "reassigned"),
     (1024, 64, 0, "original"),
     (40, 64, 4, "original"),
+    (10, 8, 4, "reassigned"),  # before the cache fills: the query sits at n_seen - 1, not at window + sinks - 1
+    (40, 64, 4, "reassigned"),
 )
 
 
@@ -423,6 +435,10 @@ def check_largest_distance(
                 n_seen - 1,
                 "It is the distance to position 0 at original positions: re-assigned, the sink sits at 0 "
                 "and the query at n - 1 of the n kept tokens.",
+            ),
+            (
+                window + sinks - 1,
+                "It assumes a full cache: until it fills, the cache keeps n_seen tokens, not window + sinks.",
             ),
         )
         fix = "The newest query's position minus the oldest kept key's position, in the scheme asked."
