@@ -31,6 +31,7 @@ from kvlab.model import Decoder
 
 __all__ = [
     "CASCADE_MAX_RATIO",
+    "CASCADE_MIN_OF_BYTES",
     "TPOT_BAND",
     "TTFT_MIN_TRACKING",
     "cascade_reading",
