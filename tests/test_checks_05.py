@@ -143,7 +143,7 @@ def unchained(token_ids, block_size):
 @pytest.mark.parametrize(
     ("wrong", "match"),
     [
-        (unchained, "Chain the hashes"),
+        (unchained, "describe everything before it"),
         (lambda t, b: [hash(tuple(t[: (i + 1) * b])) for i in range(math.ceil(len(t) / b))], "FULL block"),
         (lambda t, b: [object() for _ in range(len(t) // b)], "same hashes"),
         (
@@ -180,7 +180,7 @@ def leading_run(cached, tokens, size):
 @pytest.mark.parametrize(
     ("wrong", "match"),
     [
-        (lambda c, t, b: leading_run(c, t, b) * b, "at least one prompt token is computed"),
+        (lambda c, t, b: leading_run(c, t, b) * b, "at least one prompt token must be computed"),
         (lambda c, t, b: min(leading_run(c, t, b) * b, len(t) - 1), "in whole blocks"),
         (lambda c, t, b: min(leading_run(c, t, b), (len(t) - 1) // b), "tokens, not blocks"),
         (lambda c, t, b: max(min(leading_run(c, t, b), len(t) // b - 1), 0) * b, "a block too many"),
@@ -334,7 +334,7 @@ def shares_partial_block(n, s, u, b):
             lambda n, s, u, b: (n * (math.ceil(s / b) + math.ceil(u / b)), s // b + n * math.ceil(u / b)),
             "first fill the system prompt's last block",
         ),
-        (lambda n, s, u, b: (n * math.ceil((s + u) / b), s // b + n * math.ceil((s + u) / b)), "exclude the shared"),
+        (lambda n, s, u, b: (n * math.ceil((s + u) / b), s // b + n * math.ceil((s + u) / b)), "shared blocks again"),
         (lambda n, s, u, b: [n, n], "a tuple"),
     ],
 )  # fmt: skip

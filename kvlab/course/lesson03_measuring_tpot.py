@@ -58,7 +58,7 @@ def check_request_metrics(
             ("e2el_ms", ref.e2el_ms, "E2EL is the last token's arrival time since the request started."),
         ]
         if len(times) > 1:
-            fix = "TPOT = (E2EL - TTFT) / (tokens - 1): the first token is not a decode gap."
+            fix = "Not the TPOT section 1 (exercise 1's text) defines: the first token is not a decode gap."
             keys.append(("tpot_ms", ref.tpot_ms, fix))
         elif got.get("tpot_ms") is not None:
             _fail(f"{label}['tpot_ms']", got.get("tpot_ms"), "None", _ONE_TOKEN_TPOT)
@@ -81,7 +81,7 @@ def check_percentile(
     """``fn(values, p)`` -> the p-th percentile, linearly interpolated between the sorted values."""
     for values, p in cases:
         label = f"percentile({list(values)}, {p})"
-        fix = "Sort; rank = (n - 1) x p / 100; interpolate between the values at floor(rank) and ceil(rank)."
+        fix = "Not exercise 2's linear interpolation (section 2): check the rank you interpolate at."
         rank = (len(values) - 1) * p / 100
         lo, hi = math.floor(rank), math.ceil(rank)
         unsorted = values[lo] + (values[hi] - values[lo]) * (rank - lo)
@@ -155,7 +155,8 @@ def check_slope_band(predicted_slope_us: float, measured_slope_us: float, sweep:
         predicted_slope_us,
         want,
         "µs per token",
-        "The KV bytes the whole batch adds per token of context, over the measured read bandwidth, in µs.",
+        "Not the prediction exercise 4 (section 3) asks for: check the bytes a token of context adds for the whole "
+        "batch, the bandwidth the sweep measured, and the unit (µs).",
         True,
         rel=1e-6,
     )
@@ -180,7 +181,7 @@ def check_crossover_context(
     """``fn(weight_bytes, kv_bytes_per_token, batch)`` -> context (tokens) where KV bytes equal weight bytes."""
     for w, kv, batch in cases:
         label = f"crossover_context({w}, {kv}, batch={batch})"
-        fix = "Solve batch x context x KV per token = weight bytes for context; keep it fractional."
+        fix = "Not the crossover exercise 5 (section 4) defines: count the whole batch's K/V; keep it fractional."
         _close(label, _call(label, fn, w, kv, batch), crossover_context(w, kv, batch), "tokens", fix, reveal)
 
 

@@ -158,7 +158,7 @@ def check_batch_ratios(
         _fail("tpot_ms", lengths, f"{len(contexts)} TPOTs per batch, one per context", "Pass the contexts measured.")
     want_kv, want_weights = _ratios(contexts, tpot_ms)
     inverse = "It is batch 1's over batch B's: divide batch B's by batch 1's."
-    fix = "Fit a line to each batch's TPOTs against the contexts; divide batch B's {} by batch 1's."
+    fix = "Not the ratio of {}s exercise 2 (section 2) asks for: use lines fitted to each batch's TPOTs."
     _close("kv_ratio", kv_ratio, want_kv, "slope / slope", fix.format("slope"), True, 1e-6, [(1 / want_kv, inverse)])
     _close(
         "weight_ratio",
@@ -229,7 +229,7 @@ def check_throughput_latency(
         tpots = [r.tpot_ms for r in report.results if r.tpot_ms is not None]
         itl = [gap for r in report.results for gap in r.itl_ms]
         requests = len(report.completed) / report.duration_s
-        fix = "Output tokens of all requests (len(r.output_ids)) / report.duration_s."
+        fix = "Not the throughput exercise 3 (section 3) defines: check what it counts, and over what time."
         slips = [(requests, "It counts requests per second; count output tokens.")]
         want = report.output_tokens_per_s
         _close(
@@ -298,7 +298,7 @@ def check_max_batch_for_memory(
                 "It ignores kv_dtype: pass it to kv_bytes_per_token.",
             ),
         ]
-        fix = "Count the whole sequences whose K/V fit in the memory the weights leave (none if the weights fill it)."
+        fix = "Not the batch exercise 4 (section 4) asks for: check what takes memory first, and one sequence's need."
         if isinstance(got, int) and got < 0:
             fix = "A negative count: where the weights alone do not fit, no sequence fits at all."
         trials.append((label, got, want, "sequences", fix, reveal, slips, FLOOR))
@@ -354,17 +354,17 @@ def check_max_batch_in_pool(
             ),
             (
                 n_blocks * block_size // prompt_len,
-                "It counts tokens; the engine hands out whole blocks: ceil(prompt_len / block_size) per request.",
+                "It counts tokens; the engine hands out whole blocks, a partly filled one included.",
             ),
             (n_blocks // (prompt_len // block_size or 1), "Round the blocks per request up, not down."),
             (
                 n_blocks // (prompt_len // block_size + 1),
-                "One block too many per request when the prompt fills its blocks exactly: a slot for the output token "
-                "(it is sampled, never stored), or prompt_len // block_size + 1 for the ceiling. Use "
-                "math.ceil(prompt_len / block_size).",
+                "One block too many per request when the prompt fills its blocks exactly: no slot is kept for the "
+                "output token (it is sampled, never stored), and adding a block to the rounded-down count is not "
+                "rounding up.",
             ),
         ]
-        fix = "A request holds whole blocks, enough for its prompt; count the requests an empty pool admits."
+        fix = "Not what the engine admits: read Engine._admit, as exercise 5's text (section 4) says."
         _exact_int(label, got, want, "requests", fix, reveal, slips, to_int=FLOOR)
 
 
@@ -400,11 +400,11 @@ def check_allocation_waste(
         used = sum(lengths)
         for i, (name, reserved, fix) in enumerate(
             (
-                ("contiguous", len(lengths) * max_seq_len, "Each sequence reserves max_seq_len slots."),
+                ("contiguous", len(lengths) * max_seq_len, "Section 5 says what contiguous reservation holds back."),
                 (
                     "paged",
                     block_size * sum(math.ceil(n / block_size) for n in lengths),
-                    "Each sequence holds ceil(length / block_size) whole blocks of block_size slots.",
+                    "Section 5 says what a paged sequence holds: whole blocks, a partly filled one included.",
                 ),
             )
         ):

@@ -70,9 +70,8 @@ _HASH_CASES: tuple[tuple[Tokens, int], ...] = (
     (_ids(11, 3), 4),  # no full block
 )
 _CHAIN_FIX = (
-    "Chain the hashes: block i's hash is hash((hash of block i - 1, tuple of block i's tokens)), the first "
-    "block's parent None. The same tokens after another prefix must hash differently: from the second layer on, "
-    "their K/V depend on every earlier token."
+    "A block's hash must describe everything before it as well as its own tokens: the same tokens after another "
+    "prefix have other K/V. Section 1 (exercise 1's text) says how the hashes chain."
 )
 
 
@@ -83,8 +82,8 @@ def _hashes(fn: Callable, tokens: Sequence[int], block_size: int, label: str) ->
     n_full = len(tokens) // block_size
     if len(got) != n_full:
         fix = (
-            f"One hash per FULL block: len(token_ids) // block_size = {n_full}. A partial last block gets none: "
-            "its tokens are not all known yet, and only whole blocks are shared."
+            f"One hash per FULL block ({n_full} here). A partial last block gets none: its tokens are not all "
+            "known yet, and only whole blocks are shared."
         )
         _fail(f"{label}: number of hashes", len(got), f"{n_full}", fix)
     for h in got:
@@ -203,15 +202,15 @@ def check_prefix_hit_tokens(
         want, run = _kvlab_hits(cached, query, size)
         cap = (len(query) - 1) // size
         slips = (
-            (run * size, "Cap the hits so that at least one prompt token is computed: its logits give the first "
-             "output token. In whole blocks: at most (len(token_ids) - 1) // block_size of them."),
-            (min(run * size, len(query) - 1), "The cap is in whole blocks, (len(token_ids) - 1) // block_size: "
-             "a block is shared whole or not at all."),
+            (run * size, "It serves the whole prompt from the cache: at least one prompt token must be computed, "
+             "since its logits give the first output token (the cap in exercise 2's text, section 1)."),
+            (min(run * size, len(query) - 1), "It caps in tokens: the cap is in whole blocks, since a block is "
+             "shared whole or not at all."),
             (min(run, cap), "Return tokens, not blocks: multiply by block_size."),
-            (max(min(run, len(query) // size - 1), 0) * size, "The cap is (len(token_ids) - 1) // block_size "
-             "blocks; len // block_size - 1 takes a block too many away when the prompt ends in a partial block."),
+            (max(min(run, len(query) // size - 1), 0) * size, "It takes a block too many away when the prompt ends "
+             "in a partial block: its last token is then in that block, which is never cached anyway."),
         )  # fmt: skip
-        fix = "Count the leading blocks whose hash is cached (stop at the first miss), times block_size, capped."
+        fix = "Not the hits the walk in section 1 serves: see how it starts, where it stops, and the cap."
         got = _call(label, fn, set(hashes), list(query), size)
         _exact_int(label, got, want, "tokens", fix, reveal, [(v, s) for v, s in slips if v != want])
     _check_hit_walk_stops(fn, block_hashes)
@@ -307,8 +306,8 @@ def check_turn_hits(
     chats of ``cases``, each run here through a small engine.
     """
     fix = (
-        "Turn t + 1 finds the full blocks of what turn t stored: its prompt and all of its answer but the last "
-        "token (sampled, never stored), capped as in exercise 2."
+        "Not the hits the engine served: section 2 says what a turn leaves in the pool for the next one, and "
+        "exercise 2's cap still applies."
     )
     sessions: dict[Any, list[Mapping[str, Any]]] = {}
     for r in records:
@@ -435,10 +434,10 @@ def check_ttft_saved(
                 ),
                 (-saved_ms, "The TTFT without caching minus the TTFT with it: a saving is positive."),
             )
-            fix = "Per turn: the median over the sessions of ttft_off_ms, minus the median of ttft_on_ms (two medians)."
+            fix = "Not the saving exercise 4 (section 2) defines: check which medians it takes, and their order."
             _close(f"{label}[{turn}] saved_ms", pair[0], saved_ms, "ms", fix, reveal, slips=slips)
             slips = ((saved_ms / on[turn], "Divide by the TTFT without caching: the share of what the turn cost."),)
-            fix = "saved_fraction = saved_ms / (the median TTFT without caching)."
+            fix = "Not the share exercise 4 (section 2) defines: check what it divides the saving by."
             _close(f"{label}[{turn}] saved_fraction", pair[1], fraction, "share", fix, reveal, slips=slips)
     if not records:
         return
@@ -504,19 +503,19 @@ def check_blocks_needed(
             _fail(label, got, "a tuple (without_sharing, with_sharing)", "Return two ints.")
         whole, full, ceil_system = math.ceil((system + user) / size), system // size, math.ceil(system / size)
         apart = "A session's tokens fill its blocks in order: its own tokens first fill the system prompt's last block."
-        fix = "Without sharing, each session holds whole blocks for all its tokens, system prompt included." + source
+        fix = "Not the blocks held without sharing: section 3 (exercise 5's text) says what a session holds." + source
         slips = ((n * (ceil_system + math.ceil(user / size)), apart),)
         _exact_int(f"{label}[0] (without sharing)", got[0], want[0], "blocks", fix, show, slips)
         fix = (
-            "The system prompt's FULL blocks are held once, for every session; each session holds the rest of its "
-            f"blocks alone.{source}"
+            "Not the blocks held with sharing: section 3 (exercise 5's text) says which blocks the sessions share "
+            f"and which each holds alone.{source}"
         )
         slips = (
             (ceil_system + n * (whole - ceil_system), "A partial last system block cannot be shared: it has no hash "
              "(not full), and each session writes its own tokens into it."),
             (full + n * math.ceil(user / size), apart),
-            (full + n * whole, "Each session's own blocks exclude the shared ones: ceil((system_len + user_len) / "
-             "block_size) - system_len // block_size each."),
+            (full + n * whole, "It counts the shared blocks again in every session: a session holds alone only "
+             "the blocks that are not shared."),
         )  # fmt: skip
         _exact_int(f"{label}[1] (with sharing)", got[1], want[1], "blocks", fix, show, slips)
 
@@ -565,7 +564,7 @@ def check_tpot_after_hit(
             (statistics.mean(x.tpot_ms for x in results), "Take the median over the runs, not the mean."),
             (statistics.median(x.ttft_ms for x in results), "That is the TTFT: TPOT is each result's tpot_ms."),
         )
-        fix = "The median over the runs of r.results[0].tpot_ms."
+        fix = "Not the statistic exercise 6 (section 4) asks for: check which runs, which field, and which average."
         _close(name, got, _median_tpot(runs), "ms", fix, True, rel=1e-9, slips=slips)
     tell("TPOT after a hit matching TPOT after a cold prefill", tpot_reading(hit_runs, cold_runs))
 
@@ -599,10 +598,10 @@ def check_cascade_bytes(fn: Callable[[int, int, int, int], tuple[int, int]], cas
         got = _call(label, fn, batch, prefix, suffix, kv)
         if not (isinstance(got, tuple) and len(got) == 2):
             _fail(label, got, "a tuple (per_row, cascade)", "Return two ints.")
-        fix = "Without cascade, every row reads its whole context (prefix and suffix) on its own."
+        fix = "Not what a row-by-row step reads: section 5 says what each row reads without a cascade."
         slips = (((prefix + suffix) * kv, "That is one row's read: multiply by the batch."),)
         _exact_int(f"{label}[0] (per row)", got[0], per_row, "bytes", fix, reveal, slips)
-        fix = "With cascade, the shared prefix is read once for the whole batch, and each row's suffix on its own."
+        fix = "Not what a cascade step reads: section 5 says how it reads the shared prefix and each row's suffix."
         slips = (
             (per_row, "That is the per-row read: the cascade reads the shared prefix once, not once per row."),
             ((prefix + suffix) * kv, "Each row still reads its own suffix: batch x suffix_len tokens."),
@@ -662,11 +661,11 @@ def check_cascade_slopes(bytes_ratio: float, slope_ratio: float, sweep: Mapping[
     """
     want = _slope_ratio(sweep, "per_row_bytes", "cascade_bytes")
     slips = ((sweep["batch"], "Cascade over per row, not per row over cascade."),)
-    fix = "The slope of your cascade bytes against prefix_len over the slope of the per-row bytes."
+    fix = "Not the ratio exercise 8 (section 5) asks for: use the bytes the sweep recorded for each arm."
     _close("bytes_ratio", bytes_ratio, want, "ratio", fix, True, rel=1e-6, slips=slips)
     x = sweep["prefix_lens"]
     want = fit_line(x, sweep["cascade_ms"]).slope / fit_line(x, sweep["per_row_ms"]).slope
     slips = ((1 / want, "Cascade over per row, not per row over cascade."),)
-    fix = "Fit a line to each arm's step times against prefix_lens; divide the cascade's slope by the per-row one."
+    fix = "Not the ratio exercise 8 (section 5) asks for: use lines fitted to each arm's step times in the sweep."
     _close("slope_ratio", slope_ratio, want, "ratio", fix, True, rel=1e-6, slips=slips)
     tell("the cascade's line flatter than the per-row one", cascade_reading(sweep))

@@ -99,14 +99,14 @@ def check_predict_layouts(
                 _fail(quantity, entry, "a pair (kv_bytes_per_token, ratio_to_mha)", "Return two numbers per layout.")
             exact = kv_bytes_per_token(cfg.replace(n_kv_heads=n_kv_heads))
             fix = (
-                "Per token and layer a layout caches K and V for each of its n_kv_heads heads of cfg.head_dim "
-                "elements, at the bytes of cfg.dtype (roofline.kv_element_bytes(cfg.dtype)), over n_layers."
+                "Not the bytes section 1 (exercise 1's text) counts for this layout: check what it caches per "
+                "token, per layer and per KV head, and at how many bytes per element."
             )
             _exact_int(
                 f"{quantity} bytes", entry[0], exact, "bytes", fix, reveal, _layout_slips(cfg, n_kv_heads, exact)
             )
             inverted = ((mha_bytes / exact, "It is inverted: the layout's bytes over MHA's, not MHA's over it."),)
-            fix = "The layout's KV bytes per token divided by the MHA layout's (n_kv_heads = n_heads) at this width."
+            fix = "Not the ratio exercise 1 (section 1) asks for: compare with the MHA layout at this width."
             _close(f"{quantity} ratio", entry[1], exact / mha_bytes, "a ratio", fix, reveal, slips=inverted)
 
 
@@ -201,7 +201,7 @@ def check_layout_ratios(measured_ratios: Mapping[int, float], sweeps: Mapping[in
             (byte_ratios[key], "It is the byte ratio, the prediction: divide the measured slopes (sweep.fit.slope)."),
             (intercepts, "It divides the intercepts: the slope (sweep.fit.slope) is what the KV bytes set."),
         )
-        fix = "The layout's fitted slope over the MHA sweep's fitted slope."
+        fix = "Not the ratio exercise 2 (section 2) asks for: use the fitted slopes of the sweeps the cell made."
         _close(f"measured_ratios[{key}]", measured_ratios[key], ratio, "a ratio", fix, True, rel=1e-6, slips=slips)
     tell("the slopes falling as the KV heads do", layout_reading(sweeps))
 
@@ -256,7 +256,10 @@ def check_query_side(query_side_us: float, sweeps: Mapping[int, Sweep], one_head
         (difference / (n_heads - 1), "It is one query head's work: multiply by n_heads for all of them."),
         (difference * n_heads / (n_heads - 1) / 1e3, "It is in ms per token: return µs (x 1000)."),
     )
-    fix = "(MQA slope - one-head slope) x n_heads / (n_heads - 1), slopes in µs per token (sweep.fit.slope x 1000)."
+    fix = (
+        "Not the query side exercise 4 (section 3) defines: check which two slopes it compares, how it scales them "
+        "to every query head, and the unit (µs per token)."
+    )
     want = difference * n_heads / (n_heads - 1)
     _close("query_side_us", query_side_us, want, "µs per token", fix, True, rel=1e-6, slips=slips)
 
@@ -323,7 +326,7 @@ def check_mla_kv_bytes(
             (round(latent / cfg.n_layers), "It is one layer's bytes: multiply by n_layers."),
             (math.floor(latent), TRUNCATED),
         )
-        fix = "Per layer, one latent of kv_lora_rank + qk_rope_head_dim elements, over n_layers, at bytes_per_element."
+        fix = "Not what MLA caches per token: section 4 (exercise 5's text) says what one layer holds for a token."
         _exact_int(f"{label} latent_bytes", got[0], round(latent), "bytes", fix, reveal, latent_slips)
         mha = _mha_equivalent_bytes(cfg, size)
         mha_slips = (
@@ -338,7 +341,7 @@ def check_mla_kv_bytes(
             (round(mha / cfg.n_layers), "It is one layer's bytes: multiply by n_layers."),
             (math.floor(mha), TRUNCATED),
         )
-        fix = "Per layer, each head's key (qk_nope + qk_rope) and value (v_head_dim), n_heads of them, over n_layers."
+        fix = "Not the per-head K/V of the same heads: section 4 (exercise 5's text) gives each head's key and value."
         _exact_int(f"{label} mha_bytes", got[1], round(mha), "bytes", fix, reveal, mha_slips)
 
 
@@ -380,7 +383,7 @@ def check_absorbed_share(absorbed_share: float, naive_sweep: Sweep, absorbed_swe
     _timed_together(sweeps, "Pass the sweeps the naive/absorbed cell made.")
     want = absorbed_sweep.fit.slope / naive_sweep.fit.slope
     slips = ((1 / want, "It is inverted: the absorbed slope over the naive slope, not the naive over the absorbed."),)
-    fix = "The absorbed sweep's fitted slope over the naive sweep's."
+    fix = "Not the share exercise 6 (section 5) asks for: use the fitted slopes of the naive and absorbed sweeps."
     _close("absorbed_share", absorbed_share, want, "a ratio of slopes", fix, True, rel=1e-6, slips=slips)
     tell("the absorbed line far flatter than the naive one", absorbed_reading(naive_sweep, absorbed_sweep))
 
@@ -421,8 +424,8 @@ def check_absorbed_intensity(
             (want / 8, "It divides by bits, not bytes."),
         )
         fix = (
-            "Per cached token and layer: every head's score against the cached latent and RoPE key, and its weighted "
-            "sum of latents (2 FLOPs per multiply-add), over the bytes that token's cache entry holds."
+            "Not the intensity exercise 7 (section 6) asks for: check the FLOPs absorbed attention does for one "
+            "cached token and layer, and the bytes that token's cache entry holds."
         )
         _close(label, _call(label, fn, cfg, size), want, "FLOP per byte", fix, reveal, slips=slips)
 
@@ -467,8 +470,8 @@ def check_absorbed_step(
             (batch * (2 * active_params(cfg, batch) + cfg.n_layers * f.attend_latent), _BATCH_PARAMS_SLIP),
         )
         fix = (
-            "Every sequence does its own FLOPs: those of the parameters a token uses, and absorbed attention over its "
-            "context in every layer."
+            "Not the FLOPs of one absorbed step: check each term exercise 8 (section 6) lists, and which of them "
+            "every sequence does on its own."
         )
         _exact_int(f"{label} flops", got[0], flops, "FLOPs", fix, reveal, flop_slips)
         weights, kv = weight_bytes_read(cfg, batch=batch), kv_bytes_per_step(cfg, context, batch)
@@ -481,7 +484,7 @@ def check_absorbed_step(
             ),
             (weights + round(batch * _mha_equivalent_bytes(cfg, kv_element_bytes(cfg.dtype)) * context), _MHA_KV_SLIP),
         )
-        fix = "The weights the batch reads, shared by the batch, and each sequence's own latents over its context."
+        fix = "Not the bytes of one absorbed step: exercise 8 (section 6) says which reads a batch shares."
         _exact_int(f"{label} n_bytes", got[1], weights + kv, "bytes", fix, reveal, byte_slips)
 
 

@@ -74,8 +74,8 @@ def _check_ints(quantity: str, got: Any, n: int, reveal: bool) -> list[int]:
     got = list(got)
     if len(got) != n:
         fix = (
-            "The cache holds min(n_seen, sinks + window) tokens: every token until it is full, then the sinks and "
-            "the window. A position held once is listed once."
+            "Not the number of tokens the cache holds: section 1 (exercise 1's text) says what it keeps before and "
+            "after it is full. A position held once is listed once."
         )
         _fail(f"{quantity} length", len(got), "number of positions", fix, n, reveal)
     return got
@@ -200,7 +200,7 @@ def check_window_bytes_read(
                 f"It counts each element at the model's dtype ({cfg.dtype}): the cache stores K/V in kv_dtype.",
             ),
         )
-        fix = "A step reads every token the cache holds, each at its K/V bytes per token in kv_dtype, all layers."
+        fix = "Not the bytes of one step: section 3 (exercise 3's text) says which tokens a step reads, at what width."
         _exact_int(label, _call(label, fn, cfg, context, window, sinks, kv_dtype), want, "bytes", fix, reveal, slips)
 
 
@@ -258,7 +258,7 @@ def check_window_share(window_share: float, full_sweep: Sweep, window_sweep: Swe
         )
     want = window_sweep.fit.slope / full_sweep.fit.slope
     slips = ((1 / want, "It is inverted: the window's slope over the full cache's."),)
-    fix = "The window's fitted slope over the full cache's, both from the sweeps the TPOT cell made."
+    fix = "Not the share exercise 4 (section 4) asks for: use the fitted slopes of the sweeps the TPOT cell made."
     _close("window_share", window_share, want, "a ratio of slopes", fix, True, rel=1e-6, slips=slips)
     tell("a flat window line beside a climbing full-cache line", window_reading(full_sweep, window_sweep))
 
@@ -391,7 +391,7 @@ def check_sink_gain(
                 _fail(quantity, "missing", "a ratio", "Fill in every window and both position schemes.")
             alone, with_sinks = table[(window, 0, "original")].ppl, table[(window, sinks, positions)].ppl
             slips = ((with_sinks / alone, "It is inverted: window-only perplexity over window + sinks perplexity."),)
-            fix = "ppl[name][(window, 0, 'original')].ppl / ppl[name][(window, sinks, positions)].ppl."
+            fix = "Not the gain exercise 6 (section 7) defines: check which two perplexities of ppl it compares."
             _close(quantity, got, alone / with_sinks, "a ratio", fix, True, rel=1e-9, slips=slips)
 
 

@@ -103,8 +103,8 @@ def check_h2o_keep(
 
 
 _KEEP_FIX = (
-    "Keep every position > newest - recent; of the other slots, the `heavy` with the largest scores; all of them "
-    "when there are at most heavy + recent. Return positions (positions[i]), not slot indices i."
+    "Not the set section 1's keep rule (exercise 1's text) keeps: check the recent positions, the heavy hitters "
+    "among the rest, and the case where every slot fits. Return positions (positions[i]), not slot indices i."
 )
 
 
@@ -285,7 +285,7 @@ def check_passkey_rank(
                 "It reads scores[position]: find the slot that holds the position (positions == position).",
             ),
         )
-        fix = "Find the slot whose position is `position`; the rank is 1 + the number of scores strictly above its own."
+        fix = "Not the rank exercise 3 (section 3) defines: find the slot of `position`; the top score is rank 1."
         _exact_int(label, got, want, "rank (an int from 1)", fix, reveal, slips)
 
 
@@ -325,7 +325,7 @@ def check_break_even_steps(
             (saved_s / rebuild.seconds, "It is inverted: re-prefill seconds over the seconds one step saves."),
             (rebuild.seconds * 1e3 / saved_s, "It has the re-prefill in ms: use seconds."),
         )
-        fix = "rebuild.seconds / (rebuild.kv_bytes_saved_per_step / (bandwidth_gbps x 1e9)), a float number of steps."
+        fix = "Not the break-even exercise 4 (section 4) defines: check the time a step saves; a float number of steps."
         _close(label, got, want, "decode steps", fix, reveal, rel=1e-9, slips=slips)
 
 

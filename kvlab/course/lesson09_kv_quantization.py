@@ -156,7 +156,8 @@ def _check_quantize_case(quantize: Callable, x: torch.Tensor, bits: int, group_s
             f"{label} codes",
             f"values from {c.min().item():g} to {c.max().item():g}",
             f"integers in [0, {qmax}] (2**bits - 1 = {qmax})",
-            "Round (x - zero) / scale to the nearest integer and clamp it to [0, 2**bits - 1]."
+            "The codes are not whole numbers in range: section 1 (exercise 1's text) says how a value becomes a "
+            "code; round to the nearest integer and keep the codes within [0, 2**bits - 1]."
             + (constant if c.min() <= -(2**31) else ""),
         )
     lo, hi = _grouped_stats(x, group_size, d)
@@ -178,9 +179,9 @@ def _check_quantize_case(quantize: Callable, x: torch.Tensor, bits: int, group_s
             slip = " It is (max - min) / 2**bits: the largest code is 2**bits - 1, so divide by that."
         _fail(
             f"{label} scale",
-            "not (max - min) / (2**bits - 1) of each group",
+            "not each group's step between codes",
             "the step that maps code 2**bits - 1 to the group's max",
-            "scale = (max - min) / (2**bits - 1) per group." + slip,
+            "Each group's scale must spread its range over every code: see section 1 (exercise 1's text)." + slip,
         )
     # Decoded by the lesson's rule (scale x code + zero), every element must be within scale / 2 of x, and each
     # group's min and max must come back exactly (codes 0 and 2**bits - 1).
@@ -200,7 +201,8 @@ def _check_quantize_case(quantize: Callable, x: torch.Tensor, bits: int, group_s
             f"{label} codes",
             "each group's min or max not on a code",
             "code 0 at the group's min and code 2**bits - 1 at its max",
-            "codes = round((x - zero) / scale) with zero = min and scale = (max - min) / (2**bits - 1).",
+            "Decoded, the lowest and highest codes must give back each group's min and max: check zero and scale "
+            "against section 1 (exercise 1's text).",
         )
 
 
@@ -284,7 +286,10 @@ def check_dequantize(
         codes, scale, zero = _reference_quantize(x, bits, group_size, dim)
         codes = codes.to(torch.uint8)
         label = f"dequantize(codes of shape {tuple(shape)}, bits={bits}, group_size={group_size}, dim={dim})"
-        fix = "Return codes x scale + zero, each group's scale and zero spread over its group_size elements along dim."
+        fix = (
+            "Each group's scale and zero must cover its own group_size consecutive elements along dim: see exercise "
+            "2's text in section 1."
+        )
         got = _call(label, fn, codes.clone(), scale.clone(), zero.clone(), group_size, dim)
         x_hat = _check_tensor(label, got, tuple(shape), "x reconstructed", fix)
         want = _reference_dequantize(codes, scale, zero, group_size, dim)
@@ -398,8 +403,8 @@ def check_quantized_bytes(
             (_codec_bytes(shape, bits, stats, other, group_size), "It groups along another dim: use group_dim.")
         )
         fix = (
-            "Payload (bytes per code, int4 packed two per byte along the last dim) + fp16 statistics per group "
-            "(ceil(shape[group_dim] / group_size) groups per line along group_dim)."
+            "Section 2 (exercise 3's text) lists what kvlab stores for a tensor: the codes, packed as the codec "
+            "packs them, and each group's statistics; check how many groups and bytes of each you count."
         )
         _exact_int(label, got, want, "bytes", fix, reveal, slips)
 
@@ -482,9 +487,8 @@ def check_kivi_bytes(
             rest = 2 * cfg.n_layers * batch * cfg.n_kv_heads * (context - n_q) * cfg.head_dim
             slips.append((stored + round(rest * (4 - _dtype_bytes(cfg.dtype))), _RESIDUAL_FP32))
         fix = (
-            "Q = (context - residual) // group_size x group_size tokens quantized (keys grouped along the tokens, "
-            "values along the channels: quantized_bytes of [batch, n_kv_heads, Q, head_dim] for each), plus "
-            "context - Q tokens of K and V at cfg.dtype, over n_layers."
+            "Section 2 (exercise 4's text) says which tokens a KIVI cache quantizes, how it groups keys and values, "
+            "and which tokens it keeps at cfg.dtype; count both parts, for every layer and sequence."
         )
         _exact_int(f"{label} bytes_stored", got[0], stored, "bytes", fix, reveal, slips)
         copy = 2 * cfg.n_layers * batch * cfg.n_kv_heads * context * cfg.head_dim * 4
@@ -493,8 +497,8 @@ def check_kivi_bytes(
             (stored + copy, "Count the fp32 copy twice: written once, then read back by attention."),
         )
         fix = (
-            "'chunked': bytes_read = bytes_stored. 'naive': bytes_stored + 2 x (an fp32 copy of K and V of every "
-            "token: 2 x n_layers x batch x n_kv_heads x context x head_dim x 4 bytes)."
+            f"The bytes the {attention!r} path moves in one step: section 2 (exercise 4's text) says what each "
+            "attention path reads, and what the 'naive' one writes besides."
         )
         _exact_int(
             f"{label} bytes_read", got[1], read, "bytes", fix, reveal, read_slips if attention == "naive" else ()
@@ -621,7 +625,7 @@ def check_codec_slopes(slope_ratios: Mapping[str, float], sweeps: Mapping[str, S
                 "It divides the intercepts: the slope (sweep.fit.slope) is what the KV bytes set.",
             ),
         )
-        fix = "The cache's fitted slope over the fp32 sweep's: sweeps[name].fit.slope / sweeps['fp32'].fit.slope."
+        fix = "Not the ratio exercise 5 (section 3) asks for: use the fitted slopes of the sweeps the timing cell made."
         _close(f"slope_ratios[{key!r}]", slope_ratios[key], ratio, "a ratio", fix, True, rel=1e-6, slips=slips)
     tell("a readable comparison with fp32's line", codec_reading(sweeps))
     contradiction = codec_contradiction(sweeps)
@@ -668,8 +672,8 @@ def check_fp8_kv_tpot(
                 ),
             )
             fix = (
-                f"predict_tpot_ms(weight_bytes_read(cfg) + kv_bytes_per_step(cfg, context, kv_dtype='{kv_dtype}'), "
-                "bandwidth_gbps)."
+                f"Section 5 (exercise 6's text) says which bytes a bandwidth-bound step reads with a {kv_dtype} "
+                "cache; roofline's functions named there count them, and predict_tpot_ms turns bytes into ms."
             )
             _close(f"{label} {kv_dtype}_ms", got[i], want, "ms", fix, reveal, slips=slips if i else slips[:2])
 
@@ -747,8 +751,8 @@ def check_kivi_error(
             (_kivi_error(q, k, v, bits, size, key_dim, relative=False), "It is the absolute error: divide by ||o||."),
         )
         fix = (
-            "Quantize and dequantize K (grouped as key_quant says) and V (per token) with your quantizer, attend "
-            "softmax(q k^T / sqrt(D)) v over each, and return the norm of the difference over the exact output's."
+            "Section 6 (exercise 7's text) says how K and V are each grouped, what attention to run on the "
+            "dequantized cache, and which relative error to return; use your quantize and dequantize."
         )
         if _is_real(got) and math.isfinite(got) and not math.isclose(got, want, rel_tol=1e-3) and reveal:
             # The slips are computed in fp32 as the answer is, so they match it to rounding, not to the last bit.

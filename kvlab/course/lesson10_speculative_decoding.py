@@ -68,9 +68,8 @@ _ACCEPT_CASES = (
     (20, 3, 1, 5, False, True),  # a tie at the rejection: the argmax is the first maximal id
 )
 _ACCEPT_FIX = (
-    "Keep drafts while drafts[i] == argmax(logits[i]); stop at the first that differs. n_accepted counts the kept "
-    "ones; next_token is argmax(logits[n_accepted]): the correction at the first rejected position, or the bonus "
-    "token from the last row when every draft was kept."
+    "Not what section 1's greedy rule (exercise 1's text) yields: check where it stops, what n_accepted counts, "
+    "and which row of logits gives next_token, both when a draft is rejected and when every draft is kept."
 )
 
 
@@ -132,7 +131,7 @@ def check_expected_tokens(
     ``k = 0`` (1)."""
     for a, k in cases:
         label = f"expected_tokens(a={a}, k={k})"
-        fix = "Draft i is kept only if drafts 0 .. i-1 were: 1 + a + a^2 + ... + a^k = (1 - a^(k+1)) / (1 - a)."
+        fix = "Not the expected tokens section 2 derives: draft i is kept only if every draft before it was."
         try:
             got = _call(label, fn, a, k)
         except AssertionError as e:
@@ -204,7 +203,7 @@ def check_acceptance_estimate(
                 "(the last steps are offered fewer drafts).",
             ),
         )
-        fix = "a = accepted / (accepted + rejections): each rejection is one draft judged and refused."
+        fix = "Not the per-draft a exercise 3 (section 3) defines: each rejection is one draft judged and refused."
         _close(label, got, ref.acceptance_per_draft, "acceptance (a fraction)", fix, reveal, rel=1e-9, slips=slips)
 
 
@@ -233,14 +232,14 @@ def check_byte_speedup(
             _fail(label, got, "a tuple (bytes_per_token, speedup)", "Return the two numbers.")
         ref = predict_speculative(target, k, a, 1.0, draft)
         tokens = ref.tokens_per_step
-        fix = "Bytes per round = target_bytes + k x draft_bytes; per token: that over expected_tokens(a, k)."
+        fix = "Not the bytes per token exercise 4 (section 4) defines: check what a round reads, and what it yields."
         slips = (
             ((target + draft) / tokens, "It counts the draft once per round: a round runs k draft steps."),
             (target / tokens, "It leaves out the draft's bytes: each of the k draft steps reads them."),
             (ref.bytes_per_round / (k + 1), "It divides by k + 1, as if every draft were kept: use expected tokens."),
         )
         _close(f"{label} bytes_per_token", got[0], ref.bytes_per_token, "bytes", fix, reveal, slips=slips)
-        fix = "speedup = plain bytes per token (target_bytes: one token per step) / speculative bytes per token."
+        fix = "Not the speedup exercise 4 (section 4) defines: compare with plain decoding's bytes per token."
         _close(
             f"{label} speedup",
             got[1],
@@ -289,7 +288,7 @@ def check_refined_speedup(
             (tokens * verify[1] / (verify[k + 1] + draft), "It charges one draft step per round: there are k."),
             (tokens * verify[1] / (verify[k] + k * draft), "It uses T(k): a verify step runs k + 1 positions."),
         )
-        fix = "speedup = expected_tokens(a, k) x verify_ms[1] / (verify_ms[k + 1] + k x draft_ms)."
+        fix = "Not the speedup exercise 5 (section 5) defines: check what a round costs, and its tokens."
         _close(label, got, want, "x (a ratio)", fix, reveal, rel=1e-9, slips=slips)
 
 
@@ -342,8 +341,8 @@ def check_spec_roofline(
         plain, verify, one_draft = _roofline_steps(target, draft, gpu, batch, context, k)
         tokens = expected_tokens_per_step(a, k)
         fix = (
-            "Per step: roofline_time_ms(decode_flops(cfg, context, positions), weight_bytes_read(cfg, batch=batch) "
-            "+ kv_bytes_per_step(cfg, context, batch), bf16_tflops x 1e12, bandwidth_gbps)."
+            "Each step is timed on the roofline with the kvlab functions exercise 6's text (section 6) names: check "
+            "its FLOPs, its bytes for this batch and context, and the GPU's units."
         )
         unbatched = (
             _step_ms(target, gpu, batch, context, batch, 1),
@@ -355,7 +354,7 @@ def check_spec_roofline(
             got[0],
             plain,
             "ms",
-            "Plain: one target step, positions = batch. " + fix,
+            "Plain: one target step for the batch. " + fix,
             reveal,
             slips=(unbatched,) if unbatched[0] != plain else (),
         )
@@ -369,5 +368,5 @@ def check_spec_roofline(
             (verify + k * one_draft, "It is the time per round: divide by expected_tokens(a, k)."),
             ((verify + k * one_draft) / (k + 1), "It divides by k + 1: use expected_tokens(a, k)."),
         )
-        fix = "Speculative: (verify step + k draft steps) / expected_tokens(a, k). " + fix
+        fix = "Speculative: check what a round runs, and how many tokens it yields. " + fix
         _close(f"{label} spec_ms", got[1], (verify + k * one_draft) / tokens, "ms", fix, reveal, slips=slips)

@@ -46,8 +46,8 @@ def check_pool_tokens(fn: Callable, cases: Sequence[tuple] = _POOL_CASES, reveal
             got,
             want,
             "tokens",
-            "Take utilization x memory_gb x 1e9 bytes, subtract weight_bytes(cfg), divide by "
-            "kv_bytes_per_token(cfg, kv_dtype), round down.",
+            "Not the pool exercise 1 (section 2) asks for: check the share of memory the server may use, what "
+            "takes it first, and the bytes of one token's K/V in kv_dtype.",
             reveal,
             slips=((no_weights, "The weights take their share of the memory first: subtract weight_bytes(cfg)."),),
             to_int="Return an int, rounded down (// or math.floor): a token's K/V fits whole or not at all.",
@@ -87,8 +87,8 @@ def check_step_terms(fn: Callable, cases: Sequence[tuple] = _STEP_CASES, reveal:
             got["weights"],
             want["weights"],
             "bytes",
-            "The weights are read once per step for the whole batch: weight_bytes_read(cfg, batch=len(contexts)) "
-            "(a mixture of experts reads the experts its batch routes to).",
+            "The weights are read once per step for the whole batch (a mixture of experts reads the experts its "
+            "batch routes to): see exercise 2's text (section 3).",
             reveal,
             slips=((weight_bytes_read(cfg, batch=1) * len(contexts), "Each row does not read the weights again."),),
         )
@@ -97,8 +97,8 @@ def check_step_terms(fn: Callable, cases: Sequence[tuple] = _STEP_CASES, reveal:
             got["kv"],
             want["kv"],
             "bytes",
-            "Each row reads its own context's K/V: sum kv_bytes_per_step(cfg, c, 1, kv_dtype, window, sinks) over "
-            "the rows.",
+            "Each row reads its own context's K/V, in kv_dtype and under the window and sinks: see exercise 2's "
+            "text (section 3).",
             reveal,
             slips=((per_row_once, "The rows are at different contexts: sum each one's, not the longest's x batch."),),
         )
