@@ -16,9 +16,11 @@ The CPU time is the command's and every process it waited for (nbgrader and each
 seconds), which the ``--students`` of the second share. A class of ``--class-size`` costs one first and the rest at
 the second rate, so the 30 s target is judged on the second: what a class pays per submission once the replays
 every student shares are stored. A submission whose answer no earlier one gave still replays its own (lesson
-11's fix: its check's four replays at scale and two on the checkpoint); the first column bounds that cost. CPU seconds depend far less on other load than wall seconds do, but a busy machine still inflates
-them a little (cache misses, and timing loops in the lessons that run until they have enough samples); the load
-average is printed beside the results.
+11's fix: its check's four replays at scale and two on the checkpoint); the first column bounds that cost.
+
+CPU seconds depend far less on other load than wall seconds do, but a busy machine still inflates them a little
+(cache misses, and timing loops in the lessons that run until they have enough samples); the load average is
+printed beside the results.
 """
 
 from __future__ import annotations
