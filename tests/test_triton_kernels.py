@@ -298,9 +298,13 @@ class Counted:
         self.calls = 0
 
     def __getattr__(self, name: str):
+        target = getattr(tk, name)
+        if not callable(target):  # the module's constants (CODECS), as they are
+            return target
+
         def call(*args, **kwargs):
             self.calls += 1
-            return getattr(tk, name)(*args, **kwargs)
+            return target(*args, **kwargs)
 
         return call
 
