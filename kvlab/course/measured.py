@@ -38,11 +38,16 @@ class Reading:
     unmet: tuple[str, ...] = ()
     takes: int = 1
 
+    @property
+    def _tries(self) -> str:
+        """How many measurements the verdict took, when more than one."""
+        return f" (measurement {self.takes} of at most {TAKES})" if self.takes > 1 else ""
+
     def headline(self) -> str:
         """The verdict without the figures, for a measurement cell whose figures an exercise below asks the learner
         to compute: printing them there would give the answer away. ``str()`` of the reading, printed after the
         exercise, gives the figures and the reasons."""
-        tries = f" (measurement {self.takes} of at most {TAKES})" if self.takes > 1 else ""
+        tries = self._tries
         if self.seen:
             return f"Readable{tries}; the figures are printed after the exercise that computes them."
         return (
@@ -51,7 +56,7 @@ class Reading:
         )
 
     def __str__(self) -> str:
-        tries = f" (measurement {self.takes} of at most {TAKES})" if self.takes > 1 else ""
+        tries = self._tries
         if self.seen:
             return f"Readable{tries}: {self.numbers}."
         return (
