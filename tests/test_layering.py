@@ -7,6 +7,7 @@ model -> course checkers -> cli. Modules on one level may import each other. A n
 
 from __future__ import annotations
 
+import ast
 import fnmatch
 import importlib.util
 import json
@@ -15,6 +16,7 @@ import pkgutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -144,3 +146,35 @@ def test_the_check_sees_an_upward_import() -> None:
     if hasattr(os, "fork"):  # the forked probe too, and its torch flag for a module probed before torch loads
         forked = _loaded_forked(["kvlab.model"], ["kvlab.checks"])
         assert "kvlab.cache.base" in forked["kvlab.checks"]["kvlab"] and forked["kvlab.model"]["torch"]
+
+
+def _imports_anywhere(module: str) -> set[str]:
+    """Every kvlab module ``module``'s source names in an import: at the top, inside a function, under
+    ``TYPE_CHECKING``. The probe above sees only what loads at import time; a cycle hidden in a function body or a
+    type annotation is still a cycle a reader must hold in their head."""
+    spec = importlib.util.find_spec(module)
+    tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
+    package = module if spec.submodule_search_locations else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            # `from kvlab.cache import paged` imports a module; `from kvlab.cache import KVCache` a name of the package
+            found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names}
+    return {m for m in found if m == "kvlab" or m.startswith("kvlab.")}
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_no_import_points_up_even_inside_a_function(module: str) -> None:
+    above = sorted(m for m in _imports_anywhere(module) if level(m) > level(module))
+    assert not above, f"{module} (level {level(module)}) imports modules above it: {above}"
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if m != "kvlab.cli"])
+def test_nothing_imports_the_command_line(module: str) -> None:
+    assert "kvlab.cli" not in _imports_anywhere(module), f"{module} imports kvlab.cli: move what it needs below it"
