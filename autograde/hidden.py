@@ -13,7 +13,6 @@ from collections.abc import Callable
 
 from kvlab.bench import RequestTiming
 from kvlab.cache.base import CacheShape
-from kvlab.config import MLAConfig, ModelConfig, MoEConfig
 from kvlab.course import (
     lesson00_orientation,
     lesson01_bytes_per_step,
@@ -30,9 +29,10 @@ from kvlab.course import (
 )
 from kvlab.engine import Engine, Request, RequestResult, RunReport, SimulatedClock
 from kvlab.model import Decoder
-from kvlab.presets import get_model
-from kvlab.published import PublishedDecode
 from kvlab.roofline import kv_bytes_per_token, weight_bytes
+from kvlab.spec.config import MLAConfig, ModelConfig, MoEConfig
+from kvlab.spec.presets import get_model
+from kvlab.spec.published import PublishedDecode
 
 _GQA = ModelConfig(n_layers=6, d_model=384, n_heads=6, n_kv_heads=3, d_ff=1024, vocab_size=5003, name="hidden-gqa")
 # head_dim differs from d_model / n_heads here, as in Gemma and Qwen3: a formula that derives it fails.

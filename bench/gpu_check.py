@@ -47,8 +47,8 @@ from kvlab.bench import fit_line, sweep_context
 from kvlab.cache import CacheShape, ContiguousKVCache, KVCache, PagedKVCache
 from kvlab.cache.stores import fused_kernels
 from kvlab.cuda_graphs import GraphedDecodeStep, StaticKVCache
-from kvlab.dtypes import canonical_dtype
 from kvlab.roofline import predict_tpot_ms, weight_bytes_read
+from kvlab.spec.dtypes import canonical_dtype
 from kvlab.timing import Bandwidth, bandwidth_buffer_mb, cpu_name, machine_info, measure_bandwidth, time_call
 
 REPO = Path(__file__).resolve().parent.parent

@@ -20,21 +20,6 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from kvlab.config import ModelConfig
-from kvlab.dtypes import BYTES_PER_ELEMENT, KV_DTYPES, canonical_dtype
-from kvlab.presets import (
-    GPU,
-    draft_of,
-    draft_presets,
-    get_gpu,
-    get_model,
-    gpu_presets,
-    model_presets,
-    params_verified,
-    same_vocabulary,
-    served_context,
-)
-from kvlab.published import HARDWARE_CLASSES
 from kvlab.roofline import (
     Prediction,
     SpeculativePrediction,
@@ -46,6 +31,21 @@ from kvlab.roofline import (
     predict_speculative,
     verify_bytes_per_step,
 )
+from kvlab.spec.config import ModelConfig
+from kvlab.spec.dtypes import BYTES_PER_ELEMENT, KV_DTYPES, canonical_dtype
+from kvlab.spec.presets import (
+    GPU,
+    draft_of,
+    draft_presets,
+    get_gpu,
+    get_model,
+    gpu_presets,
+    model_presets,
+    params_verified,
+    same_vocabulary,
+    served_context,
+)
+from kvlab.spec.published import HARDWARE_CLASSES
 
 TOKENS_PER_K = 1024
 DEFAULT_BENCH_CONTEXTS = "1k,4k,8k,16k"

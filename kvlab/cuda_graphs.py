@@ -31,7 +31,7 @@ import torch
 from kvlab.cache.base import FLOAT_DTYPES, CacheCapacityError, CacheShape, KVCache, Rotate, kv_codec, refuse_latent
 from kvlab.cache.stores import fused_kernels, make_store
 from kvlab.kernels import attention_with_probs, window_mask
-from kvlab.validation import require_int
+from kvlab.spec.validation import require_int
 
 if TYPE_CHECKING:
     from kvlab.model import Decoder

@@ -58,9 +58,7 @@ import torch
 from kvlab.bench import RequestTiming, latency_summaries
 from kvlab.cache.block_pool import int_tuple
 from kvlab.cache.paged import PagedKVCache
-from kvlab.config import ModelConfig
 from kvlab.model import Decoder
-from kvlab.presets import GPU, get_gpu
 from kvlab.roofline import (
     active_params,
     decode_attention_flops,
@@ -69,8 +67,10 @@ from kvlab.roofline import (
     weight_bytes_read,
 )
 from kvlab.sampling import SamplingParams, TokenLogprobs, choose
+from kvlab.spec.config import ModelConfig
+from kvlab.spec.presets import GPU, get_gpu
+from kvlab.spec.validation import require_int
 from kvlab.timing import Stopwatch
-from kvlab.validation import require_int
 
 FollowUp = Callable[[int, list[int], float], Sequence["Request"]]  # Engine.run's closed loop: (index, ids, s)
 OnToken = Callable[[int, TokenLogprobs | None], None]  # a token as it is sampled, and its logprobs if asked for
@@ -330,7 +330,7 @@ class Engine:
     ``max_batch``: running requests at most. ``token_budget``: tokens one step computes (decodes, then prefill
     chunks). ``prefix_caching``: reuse the K/V of cached prompt blocks. ``clock``: ``"real"``, ``"simulated"``
     (with ``gpu=`` a preset name, or ``bandwidth_gbps=``), or any ``Clock`` such as a ``SimulatedClock`` of another
-    model's shape. ``kv_dtype``: what the blocks store (``kvlab.dtypes.KV_DTYPES``; default the model's dtype).
+    model's shape. ``kv_dtype``: what the blocks store (``kvlab.spec.dtypes.KV_DTYPES``; default the model's dtype).
     ``window`` + ``sinks``: each request keeps its first ``sinks`` tokens and its ``window`` most recent ones, and
     the blocks in between go back to the pool (``PagedKVCache``'s policy). A simulated clock the engine builds
     charges what these store and read.

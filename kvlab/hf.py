@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from kvlab.config import ModelConfig
-from kvlab.dtypes import canonical_dtype
 from kvlab.model import Decoder
+from kvlab.spec.config import ModelConfig
+from kvlab.spec.dtypes import canonical_dtype
 
 _HF_LAYER = "model.layers.{i}."
 

@@ -35,18 +35,18 @@ import torch
 from kvlab.bench import latency_summaries
 from kvlab.cache.base import KVCache
 from kvlab.cache.window import WindowKVCache
-from kvlab.config import ModelConfig
 from kvlab.disk_memo import remembered
-from kvlab.dtypes import KV_DTYPES, canonical_dtype
 from kvlab.engine import Clock, Engine, Request, RunReport, SimulatedClock
 from kvlab.model import Decoder
-from kvlab.presets import GPU, get_gpu, get_model
 from kvlab.pretrained import heldout_tokens, load_pretrained
 from kvlab.quality import default_cache, perplexity
 from kvlab.roofline import kv_bytes_per_token, weight_bytes
 from kvlab.session import turns_to_drop
+from kvlab.spec.config import ModelConfig
+from kvlab.spec.dtypes import KV_DTYPES, canonical_dtype
+from kvlab.spec.presets import GPU, get_gpu, get_model
+from kvlab.spec.validation import require_int
 from kvlab.tokenizer import ASK, N_PASSKEYS, PASSKEY_BASE, VOCAB_SIZE
-from kvlab.validation import require_int
 
 SCALE = 80  # at-scale tokens per checkpoint token: a 40k-token chat becomes 500, within the checkpoint's trained 512
 # Tokens per block: the checkpoint's pool uses vLLM's default; at scale, blocks of 64 (as TensorRT-LLM's can be)
@@ -164,7 +164,7 @@ class Fix:
     ``Fix()`` is what the service runs before the incident: vLLM's defaults, prefix caching on (its V1 engine's
     default) and KV in the model's dtype, no window, no cap.
 
-    ``kv_dtype``: what the KV blocks store (``kvlab.dtypes.KV_DTYPES``; ``None``: the model's own dtype).
+    ``kv_dtype``: what the KV blocks store (``kvlab.spec.dtypes.KV_DTYPES``; ``None``: the model's own dtype).
     ``window`` + ``sinks``: each request keeps its first ``sinks`` and its ``window`` most recent tokens.
     ``session_cap``: before a turn would take a conversation past this many tokens, its oldest turns are dropped
     (the system prompt stays), so the next prompt is shorter and must be prefilled again from the system prompt on.

@@ -34,9 +34,9 @@ import torch
 import torch.nn as nn
 
 from kvlab.cache.base import KVCache
-from kvlab.config import ModelConfig
 from kvlab.kernels import causal_attention
 from kvlab.layers import RMSNorm, RotaryEmbedding, apply_rope
+from kvlab.spec.config import ModelConfig
 
 if TYPE_CHECKING:
     from kvlab.model import Decoder

@@ -20,11 +20,11 @@ from kvlab.cache.base import KVCache
 from kvlab.cache.contiguous import ContiguousKVCache
 from kvlab.cache.latent import LatentKVCache
 from kvlab.cache.window import WindowKVCache
-from kvlab.config import ModelConfig
 from kvlab.device import resolve_device
-from kvlab.dtypes import KV_DTYPES, canonical_dtype, to_torch
 from kvlab.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from kvlab.mla import MLAAttention
+from kvlab.spec.config import ModelConfig
+from kvlab.spec.dtypes import KV_DTYPES, canonical_dtype, to_torch
 from kvlab.weights import WEIGHT_DTYPES, WeightFormat
 
 
@@ -115,7 +115,7 @@ class Decoder(nn.Module):
     def new_cache(self, batch_size: int = 1, capacity: int | None = None, kv_dtype: str | None = None) -> KVCache:
         """A cache for this model's own shape; ``capacity`` defaults to ``max_seq_len``.
 
-        ``kv_dtype`` (default: the model's dtype) is the codec, any of ``kvlab.dtypes.KV_DTYPES``. The storage
+        ``kv_dtype`` (default: the model's dtype) is the codec, any of ``kvlab.spec.dtypes.KV_DTYPES``. The storage
         follows the model: MLA's latent slab for an MLA model; a window cache when some layers are local (they
         keep only their window, the global ones everything); a contiguous slab otherwise.
         """

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from safetensors.torch import load as load_safetensors
 
-from kvlab.config import ModelConfig
 from kvlab.device import resolve_device
 from kvlab.model import Decoder
+from kvlab.spec.config import ModelConfig
 from kvlab.tokenizer import EOT, encode
 
 HELDOUT_FILE = "stdlib_heldout.txt"

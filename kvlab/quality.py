@@ -29,8 +29,8 @@ from kvlab.cache.base import CacheFactory, KVCache, default_cache
 from kvlab.cache.heavy_hitters import HeavyHitterKVCache
 from kvlab.model import Decoder
 from kvlab.pretrained import heldout_tokens
+from kvlab.spec.validation import require_fraction, require_int
 from kvlab.tokenizer import ASK, N_PASSKEYS, PASSKEY_BASE, VOCAB_SIZE
-from kvlab.validation import require_fraction, require_int
 
 # The needle is one passkey token planted in the text, the query is ``<|ask|>``, and the answer is that same
 # passkey: recall succeeds only if the passkey's key and value survive in the cache until the question comes.

@@ -25,17 +25,6 @@ from itertools import groupby
 from pathlib import Path
 
 from kvlab.cli import Target, draft_step, predict_json, run_predict, speculate
-from kvlab.config import ModelConfig
-from kvlab.presets import (
-    draft_of,
-    draft_presets,
-    get_model,
-    model_presets,
-    same_vocabulary,
-    served_context,
-    tokenizer_of,
-)
-from kvlab.published import published_speculative
 from kvlab.roofline import (
     Prediction,
     SpeculativePrediction,
@@ -46,6 +35,17 @@ from kvlab.roofline import (
     verify_bytes_per_step,
     weight_bytes,
 )
+from kvlab.spec.config import ModelConfig
+from kvlab.spec.presets import (
+    draft_of,
+    draft_presets,
+    get_model,
+    model_presets,
+    same_vocabulary,
+    served_context,
+    tokenizer_of,
+)
+from kvlab.spec.published import published_speculative
 
 DEFAULT_CONTEXT = 32 * 1024
 PLOT_BATCHES = (1, 4, 16, 64)  # beside the team's own batch
@@ -298,7 +298,7 @@ def _crossover(target: Target, p: Prediction, batch: int) -> list[dict]:
 def _speculative_assumption(cfg: ModelConfig) -> dict:
     """The draft the report assumes for ``cfg``, and the acceptance it drafts at, with their sources.
 
-    A draft must share the target's vocabulary (``kvlab.presets.same_vocabulary``), so, in order:
+    A draft must share the target's vocabulary (``kvlab.spec.presets.same_vocabulary``), so, in order:
 
     1. ``"preset"``: the smallest preset of the target's own tokenizer (both named in the reference table), smaller
        than the target, at

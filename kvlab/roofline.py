@@ -18,7 +18,7 @@ gpt-oss's MXFP4 experts), and quantized weights count their group scales (``weig
 every model fact are in ``kvlab/data/reference_presets.md``.
 
 The ceilings these counts are judged against are measured by ``kvlab.timing`` (bandwidth, matmul FLOP/s), or come
-from datasheets (``kvlab.presets``).
+from datasheets (``kvlab.spec.presets``).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-from kvlab.config import WEIGHT_COMPONENTS, ModelConfig
-from kvlab.dtypes import BYTES_PER_ELEMENT, GROUP_STAT_BYTES, KV_DTYPES, KV_GROUP_STATS, canonical_dtype
-from kvlab.published import QUANTIZED_BYTES_PER_PARAM, FractionRange, matching_fraction_range
-from kvlab.validation import require_fraction, require_int
+from kvlab.spec.config import WEIGHT_COMPONENTS, ModelConfig
+from kvlab.spec.dtypes import BYTES_PER_ELEMENT, GROUP_STAT_BYTES, KV_DTYPES, KV_GROUP_STATS, canonical_dtype
+from kvlab.spec.published import QUANTIZED_BYTES_PER_PARAM, FractionRange, matching_fraction_range
+from kvlab.spec.validation import require_fraction, require_int
 
 INPUT_EMBEDDING_CONVENTIONS = ("table", "rows")
 # A quantized int weight group stores one 16-bit scale and one 16-bit zero point beside its payload.
@@ -379,14 +379,14 @@ def published_tpot_range(
 class Prediction:
     """One decode step's bytes and predicted TPOT. Bytes are exact integers; GB means 1e9 bytes.
 
-    - ``weight_dtypes``: the dtype of each weight component (``kvlab.config.WEIGHT_COMPONENTS``) the model has;
+    - ``weight_dtypes``: the dtype of each weight component (``kvlab.spec.config.WEIGHT_COMPONENTS``) the model has;
       ``weight_dtype`` is their one dtype, or ``"mixed"`` when they differ.
     - ``weight_bytes``: all parameters; ``weight_bytes_read``: what the step reads (``active_params`` of them, under
       the ``input_embedding`` convention). ``bytes_per_step`` and ``tpot_ms`` use the bytes read.
     - ``kv_scales``: for a quantized cache, which scales the bytes include (``kv_scales``); ``None`` otherwise.
     - ``experts_read``: expected distinct routed experts per MoE layer at this batch (``None`` for a dense model).
     - ``tpot_ms_range``: what real systems like this one reach, from published measurements: the rows of the same
-      ``hardware_class`` (``kvlab.published.HARDWARE_CLASSES``; ``None``: not known), regime (batch 1 or batched)
+      ``hardware_class`` (``kvlab.spec.published.HARDWARE_CLASSES``; ``None``: not known), regime (batch 1 or batched)
       and weight format (16-bit or quantized), falling back in ``matching_fraction_range``'s order when too few
       match. ``tpot_ms_range_basis`` says which rows and which set each end; ``tpot_ms_range_fractions`` are the
       (lowest, highest) bandwidth fractions; ``tpot_ms_range_rows`` names the match and the two end rows. The

@@ -795,8 +795,8 @@ def load_model(spec: str, device: str | None = None) -> tuple[Decoder, str, int 
     Returns the model, the name it is served as, the token to put before every text prompt (or None), and the token
     that ends a text (a shipped checkpoint's ``<|endoftext|>``; None for the others: their ids are not the kvlab
     tokenizer's, so no id of theirs is known to end a text)."""
-    from kvlab.presets import get_model
     from kvlab.pretrained import bos_token, list_pretrained, load_pretrained
+    from kvlab.spec.presets import get_model
 
     if spec in list_pretrained():
         return load_pretrained(spec, device), spec, bos_token(spec), EOT

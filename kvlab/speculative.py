@@ -37,8 +37,8 @@ import torch
 
 from kvlab.cache.base import ROLLBACK_CACHES, CacheFactory, CacheRollbackError, KVCache, default_cache
 from kvlab.model import Decoder
+from kvlab.spec.validation import require_int
 from kvlab.timing import time_interleaved
-from kvlab.validation import require_int
 
 PROMPT_LOOKUP = "prompt-lookup"
 PROMPT_LOOKUP_NGRAMS = (3, 2, 1)  # tried longest first: a longer match predicts the continuation better

@@ -19,8 +19,8 @@ from typing import TypeVar
 import torch
 
 from kvlab.device import last_level_cache_bytes, resolve_device, synchronize
-from kvlab.dtypes import to_torch
-from kvlab.validation import require_int
+from kvlab.spec.dtypes import to_torch
+from kvlab.spec.validation import require_int
 
 K = TypeVar("K", bound=Hashable)
 

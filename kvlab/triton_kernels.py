@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from kvlab.validation import require_int
+from kvlab.spec.validation import require_int
 
 try:
     import triton

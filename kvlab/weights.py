@@ -23,7 +23,7 @@ import warnings
 
 import torch
 
-from kvlab.config import ModelConfig
+from kvlab.spec.config import ModelConfig
 
 WEIGHT_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8")
 

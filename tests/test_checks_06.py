@@ -9,8 +9,8 @@ import pytest
 from autograde import hidden
 from kvlab import checks, get_model, roofline
 from kvlab.bench import RequestTiming, Sweep, SweepPoint, fit_line
-from kvlab.config import MLAConfig
 from kvlab.course import lesson06_gqa_mqa_mla as lesson06
+from kvlab.spec.config import MLAConfig
 from kvlab.timing import Bandwidth
 from tests.helpers import assert_fails, assert_silent
 

@@ -26,9 +26,9 @@ from kvlab.cache import (
     SharedPrefixKVCache,
     WindowKVCache,
 )
-from kvlab.config import MLAConfig, ModelConfig
-from kvlab.dtypes import KV_DTYPES
 from kvlab.model import Decoder
+from kvlab.spec.config import MLAConfig, ModelConfig
+from kvlab.spec.dtypes import KV_DTYPES
 
 BASE = dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=64)
 MODELS = {

@@ -5,9 +5,9 @@ import sys
 import pytest
 
 from kvlab import ModelConfig, get_model, model_presets
-from kvlab.config import MoEConfig
-from kvlab.dtypes import canonical_dtype, to_torch
-from kvlab.presets import get_gpu
+from kvlab.spec.config import MoEConfig
+from kvlab.spec.dtypes import canonical_dtype, to_torch
+from kvlab.spec.presets import get_gpu
 
 from .helpers import tiny_config
 

@@ -10,7 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
 from kvlab import Decoder, ModelConfig, from_hf, save_hf, to_hf  # noqa: E402
-from kvlab.dtypes import to_torch  # noqa: E402
+from kvlab.spec.dtypes import to_torch  # noqa: E402
 
 from .helpers import assert_greedy_picks  # noqa: E402
 

@@ -27,10 +27,10 @@ from kvlab.incident import (
     with_passkeys,
 )
 from kvlab.model import Decoder
-from kvlab.presets import get_gpu, get_model
 from kvlab.pretrained import load_pretrained
 from kvlab.roofline import kv_bytes_per_token, weight_bytes
 from kvlab.session import turns_to_drop
+from kvlab.spec.presets import get_gpu, get_model
 from kvlab.tokenizer import ASK, PASSKEY_BASE
 from tests.helpers import sharp_random_model
 

@@ -23,7 +23,7 @@ import pytest
 import kvlab
 
 LEVELS: tuple[tuple[str, ...], ...] = (
-    ("kvlab", "kvlab.validation", "kvlab.dtypes", "kvlab.config", "kvlab.presets", "kvlab.published",
+    ("kvlab", "kvlab.spec.validation", "kvlab.spec.dtypes", "kvlab.spec.config", "kvlab.spec.presets", "kvlab.spec.published",
      "kvlab.roofline", "kvlab.stats", "kvlab.data"),
     ("kvlab.device", "kvlab.disk_memo", "kvlab.timing", "kvlab.tokenizer", "kvlab.sampling"),
     ("kvlab.layers", "kvlab.weights"),

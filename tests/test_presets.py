@@ -3,9 +3,9 @@
 import pytest
 
 from kvlab import get_model
-from kvlab.presets import draft_of, get_gpu, gpu_presets, model_presets, same_vocabulary
-from kvlab.published import HARDWARE_CLASSES
 from kvlab.roofline import active_params, param_count, predict, weight_bytes
+from kvlab.spec.presets import draft_of, get_gpu, gpu_presets, model_presets, same_vocabulary
+from kvlab.spec.published import HARDWARE_CLASSES
 
 # max_position_embeddings from each model's config (sources in kvlab/data/reference_presets.md)
 CONTEXT = {

@@ -16,7 +16,6 @@ from kvlab.cache.heavy_hitters import HeavyHitterKVCache
 from kvlab.cache.paged import PagedKVCache
 from kvlab.cache.quantized import QuantizedKVCache
 from kvlab.cache.window import WindowKVCache
-from kvlab.config import ModelConfig
 from kvlab.model import Decoder
 from kvlab.pretrained import heldout_tokens, load_pretrained
 from kvlab.quality import (
@@ -26,6 +25,7 @@ from kvlab.quality import (
     perplexity,
     uniform_first_token_share,
 )
+from kvlab.spec.config import ModelConfig
 from kvlab.tokenizer import ASK, EOT, VOCAB_SIZE, is_passkey
 
 from .helpers import assert_greedy_picks, sharp_random_model

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kvlab.presets import model_presets
 from kvlab.report import LESSONS, quality_table, quality_table_from_measurements
 from kvlab.roofline import crossover_context
+from kvlab.spec.presets import model_presets
 from tests.helpers import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -262,8 +262,8 @@ def test_measure_adds_this_machines_sweep(capsys, tmp_path: Path) -> None:
 
 
 def test_the_speculative_draft_always_shares_the_targets_vocabulary() -> None:
-    from kvlab.presets import get_model, same_vocabulary
     from kvlab.report import _speculative_assumption
+    from kvlab.spec.presets import get_model, same_vocabulary
 
     kinds = {}
     for name, cfg in model_presets().items():

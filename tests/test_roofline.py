@@ -8,7 +8,6 @@ from importlib import resources
 import pytest
 
 from kvlab import MLAConfig, ModelConfig, get_gpu, get_model
-from kvlab.published import HARDWARE_CLASSES, published_speculative
 from kvlab.roofline import (
     acceptance_from_rate,
     active_params,
@@ -34,6 +33,7 @@ from kvlab.roofline import (
     weight_bytes_read,
     weight_element_bytes,
 )
+from kvlab.spec.published import HARDWARE_CLASSES, published_speculative
 
 
 def test_worked_example_llama_3_1_70b_on_h100_matches_the_reference():
@@ -310,7 +310,7 @@ def _csv_rows() -> list[dict[str, str]]:
 
 def test_published_file_is_self_consistent():
     """Each row's printed prediction, fraction and measured TPOT follow from its own columns and caveats."""
-    from kvlab.published import published_decode
+    from kvlab.spec.published import published_decode
 
     rows = published_decode()
     assert len(rows) == len(_csv_rows()) == 25
@@ -386,7 +386,7 @@ def test_tpot_range_falls_back_in_its_stated_order_and_says_so():
 def test_published_range_holds_out_each_row_it_did_not_see():
     """Leave one out: each row's measured fraction against the range the other rows give for its class, regime and
     weight format. A range from n rows leaves out a new one at either end; about (n - 1) / (n + 1) should land in."""
-    from kvlab.published import matching_fraction_range, published_decode
+    from kvlab.spec.published import matching_fraction_range, published_decode
 
     rows = published_decode()
     hits = []

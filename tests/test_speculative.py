@@ -16,8 +16,8 @@ from kvlab.cache.paged import PagedKVCache
 from kvlab.cache.quantized import QuantizedKVCache
 from kvlab.cache.shared_prefix import SharedPrefixKVCache
 from kvlab.cache.window import WindowKVCache
-from kvlab.config import MLAConfig
 from kvlab.model import Decoder
+from kvlab.spec.config import MLAConfig
 from kvlab.speculative import inflate_mlp, prompt_lookup, speculative_generate, time_verify_steps
 
 from .helpers import sharp_random_model

@@ -4,7 +4,7 @@
   ``LatentKVCache`` (MLA's latent, stored once), ``SharedPrefixKVCache`` (a prefix slab shared by the batch);
 - policy, which tokens stay: everything, ``WindowKVCache`` (sinks + a window, or a model's local layers),
   ``HeavyHitterKVCache`` (H2O);
-- codec, how their bytes are encoded: any of ``kvlab.dtypes.KV_DTYPES``, through ``kvlab.cache.stores``
+- codec, how their bytes are encoded: any of ``kvlab.spec.dtypes.KV_DTYPES``, through ``kvlab.cache.stores``
   (``QuantizedKVCache`` is KIVI's own layout: keys grouped along tokens, which only an append-only slab allows).
 """
 

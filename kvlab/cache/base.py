@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvlab.dtypes import KV_DTYPES, canonical_dtype, to_torch
-from kvlab.validation import require_int
+from kvlab.spec.dtypes import KV_DTYPES, canonical_dtype, to_torch
+from kvlab.spec.validation import require_int
 
 if TYPE_CHECKING:
     from typing import Self

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvlab.cache.base import CacheCapacityError
-from kvlab.validation import require_int
+from kvlab.spec.validation import require_int
 
 HOLE = -1  # a released entry of a block table: not a block id, so an index that reached it would raise
 

@@ -9,7 +9,7 @@ one dimension, ``group_dim``. KIVI's choice for a ``[.., tokens, channels]`` cac
 (each channel has its own scale: a few key channels carry large outliers) and values along channels (each token
 has its own scale). A ragged last group is allowed; it costs a whole group's scale.
 
-Codecs (names and aliases as in ``kvlab.dtypes``):
+Codecs (names and aliases as in ``kvlab.spec.dtypes``):
 
 - ``fp32``, ``fp16``, ``bf16``: a cast, no scales.
 - ``fp8``: e4m3 (``torch.float8_e4m3fn``), symmetric, one fp16 scale per group (e4m3's exponent covers the rest).
@@ -22,7 +22,7 @@ Codecs (names and aliases as in ``kvlab.dtypes``):
   in the low nibble of byte ``i`` and ``2i + 1`` in the high one, int2's ``4i .. 4i + 3`` in bits 0-1 .. 6-7.
   int2 is KIVI's 2-bit setting; int1 (each number becomes its group's minimum or maximum) is the end of the
   scale, where lesson 09 shows the model's quality break. Both are codecs of ``QuantizedKVCache`` only, not
-  ``kvlab.dtypes.KV_DTYPES``: the byte model, ``predict``, ``report``, the per-slot stores and the GPU kernels
+  ``kvlab.spec.dtypes.KV_DTYPES``: the byte model, ``predict``, ``report``, the per-slot stores and the GPU kernels
   (which tell int4 from int8 by the payload's dtype) cover fp8, int8 and int4; int2 and int1 are here so the
   lesson can run its quality curve down to where it bends.
 
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.dtypes import canonical_dtype, to_torch
-from kvlab.validation import require_int
+from kvlab.spec.dtypes import canonical_dtype, to_torch
+from kvlab.spec.validation import require_int
 
 CODECS: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "fp8-tensor", "int8", "int4", "int2", "int1")
 STATS_DTYPE = torch.float16
@@ -274,7 +274,7 @@ class IntCodec(Codec):
 
 
 def get_codec(name: str | Codec) -> Codec:
-    """The codec called ``name`` (``kvlab.dtypes`` names and aliases), or raise ``ValueError`` listing them."""
+    """The codec called ``name`` (``kvlab.spec.dtypes`` names and aliases), or raise ``ValueError`` listing them."""
     if isinstance(name, Codec):
         return name
     key = canonical_dtype(name, "codec", allowed=CODECS)

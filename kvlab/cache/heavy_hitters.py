@@ -30,7 +30,7 @@ import torch
 from kvlab.cache.base import CacheShape, Rotate
 from kvlab.cache.policies import FixedSlotsKVCache
 from kvlab.kernels import attention_with_probs, window_mask
-from kvlab.validation import require_int
+from kvlab.spec.validation import require_int
 
 
 class HeavyHitterKVCache(FixedSlotsKVCache):

@@ -79,7 +79,7 @@ from kvlab.kernels import (
     decode_attention,
     window_mask,
 )
-from kvlab.validation import require_int
+from kvlab.spec.validation import require_int
 
 TABLE_ENTRY_BYTES = 4  # block tables are int32, as in vLLM and FlashInfer
 PAD_BLOCK = -1  # pads a shorter row of the table; not a block id, so an index that reached it would raise
@@ -91,7 +91,7 @@ class PagedKVCache(KVCache):
     ``n_blocks`` defaults to enough blocks for ``batch_size`` sequences of ``capacity`` tokens each. With
     ``n_blocks`` given, ``capacity`` may be ``None``: a sequence may then grow until the pool runs out (``capacity``
     reads as the whole pool, ``n_blocks x block_size``); with both given, ``capacity`` caps each sequence.
-    ``codec`` (default: the dtype K/V arrive in) is any of ``kvlab.dtypes.KV_DTYPES``, ``group_size`` channels per
+    ``codec`` (default: the dtype K/V arrive in) is any of ``kvlab.spec.dtypes.KV_DTYPES``, ``group_size`` channels per
     scale for fp8/int8/int4.
 
     The batch starts as ``batch_size`` empty sequences; ``begin`` replaces it (with prefix hits), ``fork`` grows

@@ -27,7 +27,7 @@ import torch
 
 from kvlab.cache.base import CacheCapacityError, CacheShape, KVCache, kv_codec, refuse_latent
 from kvlab.cache.stores import Index, Store, make_store
-from kvlab.validation import require_int
+from kvlab.spec.validation import require_int
 
 
 class FixedSlotsKVCache(KVCache):
@@ -36,7 +36,7 @@ class FixedSlotsKVCache(KVCache):
     A subclass calls ``_allocate(keep)`` once it knows ``keep`` (``None`` where a layer keeps everything; it then
     needs ``capacity`` slots), and decides which slot each token goes to and which tokens a step sees.
     ``capacity``: the most tokens a sequence may reach (``None``: unbounded, when every layer keeps a bounded
-    number); no store is larger. ``codec`` (default: the dtype K/V arrive in): any of ``kvlab.dtypes.KV_DTYPES``,
+    number); no store is larger. ``codec`` (default: the dtype K/V arrive in): any of ``kvlab.spec.dtypes.KV_DTYPES``,
     ``group_size`` channels per scale.
     """
 

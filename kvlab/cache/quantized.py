@@ -51,7 +51,7 @@ from kvlab.cache.base import CacheShape, Rotate, SlabKVCache, refuse_latent, ref
 from kvlab.cache.codecs import Codec, Encoded, IntCodec, get_codec
 from kvlab.cache.stores import fused_kernels
 from kvlab.kernels import attend_slab, decode_attention, merge_partials, online_softmax_attention, partial_attention
-from kvlab.validation import require_int
+from kvlab.spec.validation import require_int
 
 ATTENTION_PATHS: tuple[str, ...] = ("chunked", "naive", "int-dot")
 KEY_QUANT: tuple[str, ...] = ("per-channel", "per-token")

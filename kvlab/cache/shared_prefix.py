@@ -21,7 +21,7 @@ import torch
 from kvlab.cache.base import CacheShape, KVCache, Rotate
 from kvlab.cache.contiguous import ContiguousKVCache
 from kvlab.kernels import attend_slab, cascade_decode_attention
-from kvlab.validation import require_int
+from kvlab.spec.validation import require_int
 
 
 class SharedPrefixKVCache(KVCache):

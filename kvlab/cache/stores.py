@@ -28,8 +28,8 @@ import torch
 
 from kvlab.cache.base import FLOAT_DTYPES
 from kvlab.cache.codecs import Encoded, get_codec
-from kvlab.dtypes import to_torch
 from kvlab.kernels import attend_slab, online_softmax_attention
+from kvlab.spec.dtypes import to_torch
 
 Index = Any  # a tuple of ints, slices and index tensors over the grid's dims, as for a tensor
 
@@ -251,7 +251,7 @@ def make_store(
     key_major: bool = False,
     group_size: int = 32,
 ) -> Store:
-    """A store for ``codec`` (a name from ``kvlab.dtypes.KV_DTYPES``): float codecs keep the tensor as it is."""
+    """A store for ``codec`` (a name from ``kvlab.spec.dtypes.KV_DTYPES``): float codecs keep the tensor as it is."""
     if codec in FLOAT_DTYPES:
         return FloatStore(lead, slots, dim, dtype, device, to_torch(codec), key_major)
     return EncodedStore(lead, slots, dim, dtype, device, codec, group_size)

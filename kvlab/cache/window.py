@@ -31,7 +31,7 @@ from kvlab.cache.base import CacheShape, Rotate
 from kvlab.cache.policies import FixedSlotsKVCache
 from kvlab.cache.stores import attend_stores
 from kvlab.kernels import attention_with_probs, window_mask
-from kvlab.validation import require_int
+from kvlab.spec.validation import require_int
 
 POSITIONS = ("original", "reassigned")
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from kvlab.bench import Sweep
-from kvlab.config import ModelConfig
+from kvlab.spec.config import ModelConfig
 
 REL_TOL = 1e-9  # floats computed by another order of operations differ in the last bits, never by more
 

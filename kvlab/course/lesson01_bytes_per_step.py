@@ -7,9 +7,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from kvlab.config import ModelConfig
 from kvlab.course.grading import _call, _close, _exact_int, _fail, _label
-from kvlab.presets import get_model
 from kvlab.roofline import (
     batch_for_tpot,
     decode_attention_flops,
@@ -18,6 +16,8 @@ from kvlab.roofline import (
     param_count,
     predict_tpot_ms,
 )
+from kvlab.spec.config import ModelConfig
+from kvlab.spec.presets import get_model
 
 __all__ = [
     "check_batch_for_tpot",

@@ -12,11 +12,11 @@ import torch
 
 from kvlab.bench import RequestTiming, Sweep, fit_line, percentile
 from kvlab.cache.base import CacheFactory, KVCache
-from kvlab.config import ModelConfig
 from kvlab.course.grading import _call, _close, _fail, _timed_together
 from kvlab.course.measured import Reading, reading, tell
 from kvlab.model import Decoder
 from kvlab.roofline import crossover_context
+from kvlab.spec.config import ModelConfig
 
 __all__ = [
     "AB_MIN_RATIO",

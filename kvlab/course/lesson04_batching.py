@@ -11,13 +11,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 
 from kvlab.bench import RequestTiming, fit_line, percentile
-from kvlab.config import ModelConfig
 from kvlab.course.grading import FLOOR, _call, _close, _exact_int, _exact_ints, _fail, _label
 from kvlab.course.measured import Reading, reading, tell
 from kvlab.engine import Engine, Request, RequestResult, RunReport
 from kvlab.model import Decoder
-from kvlab.presets import get_model
 from kvlab.roofline import kv_bytes_per_step, kv_bytes_per_token, weight_bytes, weight_bytes_read
+from kvlab.spec.config import ModelConfig
+from kvlab.spec.presets import get_model
 
 __all__ = [
     "BATCH_MIN_R2",

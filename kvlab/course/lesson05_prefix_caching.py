@@ -23,11 +23,11 @@ from kvlab.cache.base import CacheShape
 from kvlab.cache.contiguous import ContiguousKVCache
 from kvlab.cache.paged import PagedKVCache
 from kvlab.cache.shared_prefix import SharedPrefixKVCache
-from kvlab.config import ModelConfig
 from kvlab.course.grading import _call, _close, _exact_int, _fail, _is_int
 from kvlab.course.measured import Reading, reading, tell
 from kvlab.engine import Engine, Request, RunReport
 from kvlab.model import Decoder
+from kvlab.spec.config import ModelConfig
 
 __all__ = [
     "CASCADE_MAX_RATIO",

@@ -10,10 +10,8 @@ from itertools import pairwise
 from typing import Any
 
 from kvlab.bench import Sweep, fit_line
-from kvlab.config import MLAConfig, ModelConfig
 from kvlab.course.grading import _call, _close, _exact_int, _fail, _label, _timed_together
 from kvlab.course.measured import Reading, reading, tell
-from kvlab.presets import get_model
 from kvlab.roofline import (
     active_params,
     kv_bytes_per_step,
@@ -23,6 +21,8 @@ from kvlab.roofline import (
     mla_attention_flops,
     weight_bytes_read,
 )
+from kvlab.spec.config import MLAConfig, ModelConfig
+from kvlab.spec.presets import get_model
 
 __all__ = [
     "ABSORBED_MAX_SHARE",

@@ -13,10 +13,10 @@ import torch
 from kvlab.cache.base import CacheShape
 from kvlab.cache.heavy_hitters import HeavyHitterKVCache
 from kvlab.cache.window import WindowKVCache
-from kvlab.config import ModelConfig
 from kvlab.course.grading import _call, _close, _exact_int, _fail, _is_int, _is_real, _label
-from kvlab.presets import get_model
 from kvlab.session import Rebuild
+from kvlab.spec.config import ModelConfig
+from kvlab.spec.presets import get_model
 
 __all__ = [
     "check_break_even_steps",

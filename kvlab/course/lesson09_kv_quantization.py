@@ -15,13 +15,13 @@ from kvlab.bench import Sweep
 from kvlab.cache.base import CacheShape
 from kvlab.cache.codecs import IntCodec, get_codec
 from kvlab.cache.quantized import ATTENTION_PATHS, KEY_QUANT, QuantizedKVCache
-from kvlab.config import ModelConfig
 from kvlab.course.grading import _call, _close, _exact_int, _fail, _is_real, _label, _timed_together
 from kvlab.course.measured import Reading, reading, tell
 from kvlab.kernels import decode_attention
-from kvlab.presets import get_model
-from kvlab.published import published_decode
 from kvlab.roofline import kv_bytes_per_step, predict_tpot_ms, weight_bytes_read
+from kvlab.spec.config import ModelConfig
+from kvlab.spec.presets import get_model
+from kvlab.spec.published import published_decode
 
 __all__ = [
     "CODEC_MIN_OF_BYTES",
@@ -42,7 +42,7 @@ __all__ = [
 
 def _vllm_l4_qwen3_4b() -> dict[int, tuple[float, float]]:
     """vLLM's FP8 KV cache measured on one NVIDIA L4, Qwen3-4B, batch 1: ``{context: (tokens/s with a BF16 cache,
-    tokens/s with an FP8 cache)}``, from the published rows ``kvlab.published`` holds (vLLM,
+    tokens/s with an FP8 cache)}``, from the published rows ``kvlab.spec.published`` holds (vLLM,
     docs/features/quantization/quantized_kvcache.md; docs/reference.md)."""
     rows = [r for r in published_decode() if r.model == "Qwen3-4B" and r.device == "L4" and r.batch == 1]
     by_kv = {}

@@ -11,9 +11,7 @@ from typing import Any
 
 import torch
 
-from kvlab.config import ModelConfig
 from kvlab.course.grading import _call, _close, _fail, _is_int, _is_real, _label
-from kvlab.presets import GPU, get_gpu, get_model
 from kvlab.roofline import (
     decode_flops,
     expected_tokens_per_step,
@@ -22,6 +20,8 @@ from kvlab.roofline import (
     roofline_time_ms,
     weight_bytes_read,
 )
+from kvlab.spec.config import ModelConfig
+from kvlab.spec.presets import GPU, get_gpu, get_model
 from kvlab.speculative import SpeculativeResult, accept_greedy
 
 __all__ = [

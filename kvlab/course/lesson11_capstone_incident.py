@@ -8,12 +8,12 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from kvlab.config import ModelConfig
 from kvlab.course.grading import _call, _close, _exact_int, _fail, _is_real, _label
 from kvlab.incident import INCIDENT, PUBLIC_SEEDS, Fix, Incident, pool_tokens
 from kvlab.model import Decoder
-from kvlab.presets import get_gpu, get_model
 from kvlab.roofline import kv_bytes_per_step, kv_bytes_per_token, weight_bytes_read
+from kvlab.spec.config import ModelConfig
+from kvlab.spec.presets import get_gpu, get_model
 
 __all__ = ["check_fix", "check_grown_term", "check_pool_tokens", "check_step_terms"]
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 
-from kvlab.config import MLAConfig, ModelConfig, MoEConfig
-from kvlab.validation import require_int
+from kvlab.spec.config import MLAConfig, ModelConfig, MoEConfig
+from kvlab.spec.validation import require_int
 
 # Course-sized shapes: small enough to decode on a laptop CPU, large enough that the KV term is measurable.
 _COURSE_PRESETS = {
@@ -53,7 +53,7 @@ class GPU:
     fp8_tflops: float | None
     source: str
     tflops_note: str | None = None  # e.g. which accumulate precision the TFLOP/s figures assume
-    hardware_class: str | None = None  # kvlab.published.HARDWARE_CLASSES: which published measurements compare
+    hardware_class: str | None = None  # kvlab.spec.published.HARDWARE_CLASSES: which published measurements compare
 
 
 @cache

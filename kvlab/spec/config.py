@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvlab.dtypes import BYTES_PER_ELEMENT, COMPUTE_DTYPES, canonical_dtype
-from kvlab.validation import require_int
+from kvlab.spec.dtypes import BYTES_PER_ELEMENT, COMPUTE_DTYPES, canonical_dtype
+from kvlab.spec.validation import require_int
 
 RUNNABLE_ROPE_TYPES = ("default", "llama3")
 # The parts of a checkpoint that can ship in different dtypes: the input embedding table and the LM head, the MoE
