@@ -29,7 +29,7 @@ from kvlab.course import (
 )
 from kvlab.engine import Engine, Request, RequestResult, RunReport, SimulatedClock
 from kvlab.model import Decoder
-from kvlab.roofline import kv_bytes_per_token, weight_bytes
+from kvlab.roofline.bytes import kv_bytes_per_token, weight_bytes
 from kvlab.spec.config import MLAConfig, ModelConfig, MoEConfig
 from kvlab.spec.presets import get_model
 from kvlab.spec.published import PublishedDecode

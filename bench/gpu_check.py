@@ -5,14 +5,14 @@
 
 Sections, each run on its own so one failure is recorded (with its traceback) and the rest still run:
 
-1. ``bandwidth``: the device-to-device copy bandwidth and the read bandwidth, measured here (``kvlab.timing``).
+1. ``bandwidth``: the device-to-device copy bandwidth and the read bandwidth, measured here (``kvlab.machine.timing``).
 2. ``parity``: kvlab's logits against transformers' Llama on the same weights, device and dtype.
 3. ``pytest_gpu``: the tests marked ``gpu`` (CUDA only).
 4. ``fidelity``: TPOT against context at batch 1 and 8 (``kvlab.bench.sweep_context``), each point's bytes per
    step over its TPOT as a fraction of the copy bandwidth.
 5. ``kernels``: one layer's decode attention over the same context through each reader side by side: torch's
    SDPA on a plain slab, the contiguous, paged, int8, int4 and fp8 caches (on CUDA these run
-   ``kvlab.triton_kernels``), with the slope of time against context next to the bytes each reads.
+   ``kvlab.kernels.triton``), with the slope of time against context next to the bytes each reads.
 6. ``cuda_graphs``: the decode step eagerly and replayed as a CUDA graph (``kvlab.cuda_graphs``); the fixed cost
    each leaves is the intercept of its line. On CPU only the static cache's eager step runs.
 7. ``triton_interpreter`` (CPU only): the Triton kernel under Triton's interpreter against the torch kernel.
@@ -47,9 +47,9 @@ from kvlab.bench import fit_line, sweep_context
 from kvlab.cache import CacheShape, ContiguousKVCache, KVCache, PagedKVCache
 from kvlab.cache.stores import fused_kernels
 from kvlab.cuda_graphs import GraphedDecodeStep, StaticKVCache
-from kvlab.roofline import predict_tpot_ms, weight_bytes_read
+from kvlab.machine.timing import Bandwidth, bandwidth_buffer_mb, cpu_name, machine_info, measure_bandwidth, time_call
+from kvlab.roofline.bytes import predict_tpot_ms, weight_bytes_read
 from kvlab.spec.dtypes import canonical_dtype
-from kvlab.timing import Bandwidth, bandwidth_buffer_mb, cpu_name, machine_info, measure_bandwidth, time_call
 
 REPO = Path(__file__).resolve().parent.parent
 DTYPES = ("fp32", "bf16", "fp16")
@@ -284,7 +284,7 @@ def kernels(check: Check, bw: Bandwidth) -> dict:
         fit = fit_line(contexts, [p["ms"] for p in record["points"]])
         record["slope_us_per_token"], record["intercept_ms"], record["r2"] = fit.slope * 1e3, fit.intercept, fit.r2
     fused = fused_kernels(device)
-    results["reader"] = "kvlab.triton_kernels" if fused is not None else "torch (kvlab.kernels, kvlab.cache.stores)"
+    results["reader"] = "kvlab.kernels.triton" if fused is not None else "torch (kvlab.kernels.reference, kvlab.cache.stores)"
 
     def draw(plt):
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -371,8 +371,8 @@ def cuda_graphs(check: Check, bw: Bandwidth) -> dict:
 
 INTERPRETER_PROBE = """
 import json, torch
-from kvlab import triton_kernels
-from kvlab.kernels import decode_attention
+from kvlab.kernels import triton as triton_kernels
+from kvlab.kernels.reference import decode_attention
 g = torch.Generator().manual_seed(0)
 q, k, v = (torch.randn(1, 2, 2, 16, generator=g), torch.randn(1, 2, 48, 16, generator=g),
            torch.randn(1, 2, 48, 16, generator=g))
@@ -389,8 +389,8 @@ def triton_interpreter(check: Check) -> dict:
         raise NotApplicable("on CUDA the kernels run natively (kernels section, and the gpu tests)")
     if check.report["machine"]["triton"] is None:
         raise NotApplicable("triton is not installed")
-    if not (REPO / "kvlab" / "triton_kernels.py").is_file():
-        raise NotApplicable("kvlab.triton_kernels is not available in this checkout")
+    if not (REPO / "kvlab" / "kernels" / "triton.py").is_file():
+        raise NotApplicable("kvlab.kernels.triton is not available in this checkout")
     # TRITON_INTERPRET is read when the kernels are defined, so a fresh interpreter sets it before the import.
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", INTERPRETER_PROBE], cwd=REPO, env=env, capture_output=True,
@@ -399,7 +399,7 @@ def triton_interpreter(check: Check) -> dict:
         raise AssertionError(f"the interpreter probe exited {done.returncode}:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
     if result["max_abs_diff"] > 1e-5:
-        raise AssertionError(f"Triton (interpreted) against kvlab.kernels: max |diff| {result['max_abs_diff']:.3g}")
+        raise AssertionError(f"Triton (interpreted) against kvlab.kernels.reference: max |diff| {result['max_abs_diff']:.3g}")
     return result
 
 

@@ -8,15 +8,15 @@ measured on the skinny products the step really runs (issue 29, section 3).
 A step over B sequences reads each weight once and multiplies it by B rows, so its products do 2 B FLOPs per
 weight (B/2 FLOPs per fp32 byte). A roofline drawn with a square matmul's FLOP rate puts the ridge far above the
 batches a CPU serves; the products a step runs are B x d_model times d_model x N, and MKL runs those well below
-the square rate. So, for each batch B, everything in one interleaved loop (medians, ``kvlab.timing``):
+the square rate. So, for each batch B, everything in one interleaved loop (medians, ``kvlab.machine.timing``):
 1. the model's decode step over B sequences of ``--context`` tokens;
 2. one pass of the step's products over its own weights, B rows each (what the weights cost, read from memory);
 3. each distinct product shape at B rows, repeated on one weight of that shape, which stays in the CPU's caches
    where it fits: its FLOP rate with memory mostly out of the way (``skinny GFLOP/s``);
-4. the read bandwidth probe, and once, the square matmul rate (``kvlab.timing.measure_matmul_flops``).
+4. the read bandwidth probe, and once, the square matmul rate (``kvlab.machine.timing.measure_matmul_flops``).
 
 Predicted, per B (KV bytes over the read bandwidth added to each, for attention):
-- bytes: the weight bytes a step reads over the read bandwidth (``kvlab.roofline``), what ``kvlab predict`` says;
+- bytes: the weight bytes a step reads over the read bandwidth (``kvlab.roofline.bytes``), what ``kvlab predict`` says;
 - roofline, square: the larger of the step's bytes over bandwidth and its FLOPs over the square rate;
 - roofline, skinny: per product, the larger of its bytes over bandwidth and its FLOPs over that shape's skinny
   rate at B, summed.
@@ -39,8 +39,7 @@ import torch
 
 from kvlab import Decoder, get_model
 from kvlab.breakdown import layer_weights
-from kvlab.roofline import decode_flops, kv_bytes_per_step, roofline_time_ms, weight_bytes_read
-from kvlab.timing import (
+from kvlab.machine.timing import (
     CLOCKS,
     bandwidth_buffer_mb,
     load_average,
@@ -48,6 +47,7 @@ from kvlab.timing import (
     measure_matmul_flops,
     time_interleaved,
 )
+from kvlab.roofline.bytes import decode_flops, kv_bytes_per_step, roofline_time_ms, weight_bytes_read
 
 SKINNY_REPEATS = 8  # products per timed call of a cache-resident weight: one is too short for the clock
 

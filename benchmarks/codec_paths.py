@@ -30,7 +30,7 @@ import torch
 from kvlab.cache.base import CacheShape, KVCache
 from kvlab.cache.contiguous import ContiguousKVCache
 from kvlab.cache.quantized import QuantizedKVCache
-from kvlab.timing import cpu_name, measure_bandwidth, time_call
+from kvlab.machine.timing import cpu_name, measure_bandwidth, time_call
 
 
 def paths(group_size: int, chunk_size: int, residual: int) -> dict[str, Callable[[CacheShape, int, int], KVCache]]:

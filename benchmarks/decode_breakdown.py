@@ -18,7 +18,7 @@ import torch
 from kvlab import Decoder, get_model
 from kvlab.breakdown import breakdown, report
 from kvlab.cli import parse_tokens
-from kvlab.timing import CLOCKS, machine_info
+from kvlab.machine.timing import CLOCKS, machine_info
 
 
 def main() -> None:

@@ -33,8 +33,8 @@ import torch
 from kvlab import Decoder, get_model
 from kvlab.bench import sweep_context
 from kvlab.cli import parse_tokens
-from kvlab.roofline import predict_tpot_ms
-from kvlab.timing import Bandwidth, bandwidth_buffer_mb, machine_info, measure_bandwidth, time_interleaved
+from kvlab.machine.timing import Bandwidth, bandwidth_buffer_mb, machine_info, measure_bandwidth, time_interleaved
+from kvlab.roofline.bytes import predict_tpot_ms
 
 
 def compare_with_transformers(model: Decoder, context: int, steps: int) -> dict[str, float]:

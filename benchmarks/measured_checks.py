@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from autograde.cli import checked_lessons  # noqa: E402 (the repository root is put on the path first)
-from kvlab.timing import load_average  # noqa: E402
+from kvlab.machine.timing import load_average  # noqa: E402
 
 # The graded checks that judge a measurement, by lesson: each grade id's span starts at the nearest code cell above it
 # that measures through retake, or at the cell START names.

@@ -28,7 +28,7 @@ from kvlab.cache import PagedKVCache, WindowKVCache
 from kvlab.cache.base import KVCache
 from kvlab.cache.shared_prefix import SharedPrefixKVCache
 from kvlab.cli import parse_tokens
-from kvlab.timing import bandwidth_buffer_mb, machine_info, measure_bandwidth, time_interleaved
+from kvlab.machine.timing import bandwidth_buffer_mb, machine_info, measure_bandwidth, time_interleaved
 
 MakeCache = Callable[[Decoder, int, int], KVCache]
 

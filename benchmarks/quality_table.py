@@ -24,9 +24,9 @@ from kvlab.cache.base import CacheFactory, default_cache
 from kvlab.cache.heavy_hitters import HeavyHitterKVCache
 from kvlab.cache.quantized import QuantizedKVCache
 from kvlab.cache.window import WindowKVCache
+from kvlab.machine.timing import Stopwatch
 from kvlab.pretrained import bos_token, heldout_tokens, list_pretrained, load_pretrained
 from kvlab.quality import CHANCE, needle_recall, perplexity
-from kvlab.timing import Stopwatch
 
 WINDOWS = (64, 128, 256)
 SINKS = 4

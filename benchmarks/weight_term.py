@@ -7,7 +7,7 @@ threads, against copy and read bandwidth and against llama.cpp's F32 figures.
 
 Everything at one thread count is measured in one loop, one call of each candidate in turn (medians), so a burst
 of load from elsewhere slows each a little rather than one a lot:
-1. the copy and read probes (``kvlab.timing.measure_bandwidth``);
+1. the copy and read probes (``kvlab.machine.timing.measure_bandwidth``);
 2. one pass of every projection of a step (8 layers and the head, the model's own weights, in step order) by each
    kernel: summing the same tensors (a read-only stream), torch's ``x @ W`` (MKL in torch's x86 wheels),
    ``F.linear`` on ``[out, in]`` copies, numpy's BLAS (OpenBLAS in numpy's wheels, held to the same thread count
@@ -31,8 +31,8 @@ import torch.nn.functional as F
 
 from kvlab import Decoder, get_model
 from kvlab.breakdown import layer_weights
-from kvlab.roofline import weight_bytes_read
-from kvlab.timing import CLOCKS, bandwidth_buffer_mb, load_average, machine_info, time_interleaved
+from kvlab.machine.timing import CLOCKS, bandwidth_buffer_mb, load_average, machine_info, time_interleaved
+from kvlab.roofline.bytes import weight_bytes_read
 from kvlab.weights import WeightFormat
 
 # llama.cpp 0c1e570 on cpu-small converted to GGUF F32, zero-context step, 2-core AMD EPYC Zen 3

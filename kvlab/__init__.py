@@ -1,6 +1,6 @@
 """kvlab: measure why LLM decoding slows down as the context grows, and what each fix buys.
 
-The public names load on first use (PEP 562), so that ``import kvlab.roofline`` or ``kvlab predict`` never pays
+The public names load on first use (PEP 562), so that ``import kvlab.roofline.bytes`` or ``kvlab predict`` never pays
 for torch: ``from kvlab import Decoder`` imports the model then, and only then.
 """
 
@@ -16,7 +16,7 @@ _EXPORTS: dict[str, str] = {
     "KVCache": "kvlab.cache.base",
     "MLAConfig": "kvlab.spec.config",
     "ModelConfig": "kvlab.spec.config",
-    "default_device": "kvlab.device",
+    "default_device": "kvlab.machine.device",
     "from_hf": "kvlab.hf",
     "get_gpu": "kvlab.spec.presets",
     "get_model": "kvlab.spec.presets",

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from kvlab.cache.base import KVCache
-from kvlab.kernels import causal_attention
+from kvlab.kernels.reference import causal_attention
 from kvlab.layers import RotaryEmbedding, apply_rope
 from kvlab.spec.config import ModelConfig
 from kvlab.weights import WeightFormat

@@ -7,7 +7,7 @@ Per request of ``n`` output tokens (vLLM ``benchmarks`` definitions):
 - TPOT = (E2EL - TTFT) / (n - 1): the mean gap after the first token, one number per request.
 
 Timing rules: warm up before measuring (first calls pay for allocation and kernel selection); synchronize the
-device before reading a clock (CUDA events on GPU, where launches are asynchronous: ``kvlab.timing.Stopwatch``
+device before reading a clock (CUDA events on GPU, where launches are asynchronous: ``kvlab.machine.timing.Stopwatch``
 does both); report percentiles, not one run, because a shared machine's timings have a long tail.
 """
 
@@ -23,10 +23,10 @@ from typing import TypeVar
 import torch
 
 from kvlab.cache.base import CacheFactory, KVCache, default_cache
+from kvlab.machine.timing import Bandwidth, Stopwatch, machine_info, measure_bandwidth
+from kvlab.metrics import PERCENTILES, latency_summaries, percentile, summarize  # noqa: F401 (re-exported)
 from kvlab.model import Decoder
-from kvlab.roofline import predict_tpot_ms, weight_bytes_read
-from kvlab.stats import PERCENTILES, latency_summaries, percentile, summarize  # noqa: F401 (re-exported)
-from kvlab.timing import Bandwidth, Stopwatch, machine_info, measure_bandwidth
+from kvlab.roofline.bytes import predict_tpot_ms, weight_bytes_read
 
 K = TypeVar("K", bound=Hashable)  # the key naming an arm of an interleaved sweep
 

@@ -19,9 +19,9 @@ from collections.abc import Callable
 
 import torch
 
+from kvlab.machine.timing import bandwidth_buffer_mb, require_clock, time_interleaved
 from kvlab.model import Decoder
-from kvlab.roofline import predict_tpot_ms
-from kvlab.timing import bandwidth_buffer_mb, require_clock, time_interleaved
+from kvlab.roofline.bytes import predict_tpot_ms
 
 
 def layer_weights(model: Decoder) -> list[list[torch.Tensor]]:
@@ -62,7 +62,7 @@ def breakdown(
     # one new token's queries, grouped by the KV head they share: [B, Hkv, G, T, D] (kvlab.attention.group_queries)
     groups = cfg.n_heads // cfg.n_kv_heads
     q = torch.randn(1, cfg.n_kv_heads, groups, 1, cfg.head_dim)
-    # attention's two products on their own: q·K over the key-major keys, then p·V (see kvlab.kernels)
+    # attention's two products on their own: q·K over the key-major keys, then p·V (see kvlab.kernels.reference)
     q_grouped = q[:, :, :, 0]
     probs = torch.softmax(torch.randn(1, cfg.n_kv_heads, groups, cache.capacity), dim=-1)
     token = torch.zeros(1, dtype=torch.long)

@@ -8,7 +8,7 @@
 
 A bad argument prints one line naming it and the allowed values, and exits with status 2. Only ``bench``, ``serve``
 and ``report --measure`` load torch: ``predict``, ``report``, ``models`` and ``gpus`` are arithmetic over the presets
-(``kvlab.roofline``).
+(``kvlab.roofline.bytes``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from kvlab.roofline import (
+from kvlab.roofline.bytes import (
     Prediction,
     SpeculativePrediction,
     acceptance_from_rate,
@@ -200,7 +200,7 @@ def resolve_target(args: argparse.Namespace) -> Target:
 
 
 def run_predict(cfg: ModelConfig, context: int, bandwidth: float, batch: int, **options) -> Prediction:
-    """``kvlab.roofline.predict``, with the byte model's field names spelled as the command line's flags."""
+    """``kvlab.roofline.bytes.predict``, with the byte model's field names spelled as the command line's flags."""
     try:
         return predict(cfg, context, bandwidth, batch, **options)
     except ValueError as e:  # the byte model names its argument; the command line spells it as a flag

@@ -9,7 +9,7 @@ code in between. kvlab's caches keep their length in a Python int and slice thei
 new shapes and asks the host where to write. ``StaticKVCache`` keeps the position in a device tensor instead: a
 step writes at that position (an index, not a slice), attends over all ``capacity`` slots with the slots not yet
 written masked out, and advances the position on the device. Its shapes never change, so ``GraphedDecodeStep``
-can record a ``Decoder.decode_step`` over it and replay it at every later length. Where ``kvlab.triton_kernels``
+can record a ``Decoder.decode_step`` over it and replay it at every later length. Where ``kvlab.kernels.triton``
 runs (CUDA), a decode step reads only the stored tokens: the kernel takes the lengths as a device tensor and its
 grid depends on shapes alone. Elsewhere the step reads all ``capacity`` slots, whatever the length (gpt-fast's
 static cache pays the same): size the capacity to the context. ``bytes_read_per_step`` counts what is read.
@@ -30,7 +30,7 @@ import torch
 
 from kvlab.cache.base import FLOAT_DTYPES, CacheCapacityError, CacheShape, KVCache, Rotate, kv_codec, refuse_latent
 from kvlab.cache.stores import fused_kernels, make_store
-from kvlab.kernels import attention_with_probs, window_mask
+from kvlab.kernels.reference import attention_with_probs, window_mask
 from kvlab.spec.validation import require_int
 
 if TYPE_CHECKING:

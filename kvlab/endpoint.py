@@ -45,7 +45,7 @@ from typing import Protocol
 
 import httpx
 
-from kvlab.stats import latency_summaries
+from kvlab.metrics import latency_summaries
 
 ENDPOINT_TYPES = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 BACKENDS = {"openai": "completions", "vllm": "completions", "openai-chat": "chat"}  # vLLM's --backend names

@@ -33,7 +33,7 @@ the clock's now), ``step()`` while ``busy``, and ``cancel(handle)`` for a client
 freed at once). ``on_token`` receives each token as it is sampled (with its logprobs, when
 the request's ``SamplingParams`` ask for them). ``run`` is a loop over these same calls.
 
-Clocks: ``"real"`` reads ``kvlab.timing.Stopwatch`` (arrivals then wait in real time). ``SimulatedClock`` charges
+Clocks: ``"real"`` reads ``kvlab.machine.timing.Stopwatch`` (arrivals then wait in real time). ``SimulatedClock`` charges
 each model call the byte model's time instead, so a trace plays at the scale of any model and GPU (its formula is
 in its docstring); ``clock="simulated"`` with ``gpu=`` or ``bandwidth_gbps=`` builds one for the engine's model.
 
@@ -58,8 +58,9 @@ import torch
 from kvlab.bench import RequestTiming, latency_summaries
 from kvlab.cache.block_pool import int_tuple
 from kvlab.cache.paged import PagedKVCache
+from kvlab.machine.timing import Stopwatch
 from kvlab.model import Decoder
-from kvlab.roofline import (
+from kvlab.roofline.bytes import (
     active_params,
     decode_attention_flops,
     kv_bytes_per_step,
@@ -70,7 +71,6 @@ from kvlab.sampling import SamplingParams, TokenLogprobs, choose
 from kvlab.spec.config import ModelConfig
 from kvlab.spec.presets import GPU, get_gpu
 from kvlab.spec.validation import require_int
-from kvlab.timing import Stopwatch
 
 FollowUp = Callable[[int, list[int], float], Sequence["Request"]]  # Engine.run's closed loop: (index, ids, s)
 OnToken = Callable[[int, TokenLogprobs | None], None]  # a token as it is sampled, and its logprobs if asked for

@@ -40,7 +40,7 @@ from kvlab.engine import Clock, Engine, Request, RunReport, SimulatedClock
 from kvlab.model import Decoder
 from kvlab.pretrained import heldout_tokens, load_pretrained
 from kvlab.quality import default_cache, perplexity
-from kvlab.roofline import kv_bytes_per_token, weight_bytes
+from kvlab.roofline.bytes import kv_bytes_per_token, weight_bytes
 from kvlab.session import turns_to_drop
 from kvlab.spec.config import ModelConfig
 from kvlab.spec.dtypes import KV_DTYPES, canonical_dtype

@@ -20,8 +20,8 @@ from kvlab.cache.base import KVCache
 from kvlab.cache.contiguous import ContiguousKVCache
 from kvlab.cache.latent import LatentKVCache
 from kvlab.cache.window import WindowKVCache
-from kvlab.device import resolve_device
 from kvlab.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from kvlab.machine.device import resolve_device
 from kvlab.mla import MLAAttention
 from kvlab.spec.config import ModelConfig
 from kvlab.spec.dtypes import KV_DTYPES, canonical_dtype, to_torch
@@ -52,7 +52,7 @@ class Decoder(nn.Module):
 
     ``weight_dtype`` (``kvlab.weights.WEIGHT_DTYPES``, default fp32) is the precision the projections and the LM
     head read their weights in; the parameters themselves stay fp32 (``kvlab.weights``). With another precision,
-    ``cfg`` records it in ``weight_dtypes``, so the byte model (``kvlab.roofline``) charges those bytes.
+    ``cfg`` records it in ``weight_dtypes``, so the byte model (``kvlab.roofline.bytes``) charges those bytes.
     """
 
     def __init__(

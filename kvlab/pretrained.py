@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from safetensors.torch import load as load_safetensors
 
-from kvlab.device import resolve_device
+from kvlab.machine.device import resolve_device
 from kvlab.model import Decoder
 from kvlab.spec.config import ModelConfig
 from kvlab.tokenizer import EOT, encode

@@ -2,7 +2,7 @@
 
 ``build_report`` gathers every figure as plain data (``report.json``); ``write_report`` renders it as
 ``index.html`` (images embedded as data: URIs), ``report.md`` and the PNG plots beside them. Every byte count and
-TPOT comes from ``kvlab.cli.run_predict`` (``kvlab.roofline.predict``) and ``kvlab.cli.speculate``, the functions
+TPOT comes from ``kvlab.cli.run_predict`` (``kvlab.roofline.bytes.predict``) and ``kvlab.cli.speculate``, the functions
 ``kvlab predict`` calls, and each mitigation records the ``kvlab predict`` flags that reproduce its figures.
 
 Quality costs cite what the course measured: the shipped checkpoints' records (``kvlab/data/kvlab-tiny-*.json``,
@@ -25,7 +25,7 @@ from itertools import groupby
 from pathlib import Path
 
 from kvlab.cli import Target, draft_step, predict_json, run_predict, speculate
-from kvlab.roofline import (
+from kvlab.roofline.bytes import (
     Prediction,
     SpeculativePrediction,
     acceptance_from_rate,

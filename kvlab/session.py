@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.cache.base import CacheFactory, KVCache
+from kvlab.machine.timing import time_call
 from kvlab.model import Decoder
-from kvlab.timing import time_call
 
 
 @dataclass(frozen=True)

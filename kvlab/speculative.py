@@ -36,9 +36,9 @@ from functools import partial
 import torch
 
 from kvlab.cache.base import ROLLBACK_CACHES, CacheFactory, CacheRollbackError, KVCache, default_cache
+from kvlab.machine.timing import time_interleaved
 from kvlab.model import Decoder
 from kvlab.spec.validation import require_int
-from kvlab.timing import time_interleaved
 
 PROMPT_LOOKUP = "prompt-lookup"
 PROMPT_LOOKUP_NGRAMS = (3, 2, 1)  # tried longest first: a longer match predicts the continuation better
@@ -71,7 +71,7 @@ class SpeculativeResult:
 
     @property
     def acceptance_per_draft(self) -> float:
-        """The ``a`` of ``kvlab.roofline.expected_tokens_per_step``: the chance a draft is accepted once the ones
+        """The ``a`` of ``kvlab.roofline.bytes.expected_tokens_per_step``: the chance a draft is accepted once the ones
         before it were. Each rejection ends a step's run of accepted drafts, so ``accepted / (accepted +
         rejections)`` estimates it. It exceeds ``acceptance_rate`` when a step's later drafts go unjudged after a
         rejection, and real drafts are easier in some stretches than others, which the model's one ``a`` ignores.
@@ -264,7 +264,7 @@ def time_verify_steps(
     make_cache: CacheFactory = default_cache,
 ) -> dict[int, list[float]]:
     """Seconds of one ``model`` call over ``n`` new positions after ``prompt`` (``[T]``), for each ``n`` in
-    ``positions``: ``repeats`` times each, taken in turns (``kvlab.timing.time_interleaved``), the cache rolled
+    ``positions``: ``repeats`` times each, taken in turns (``kvlab.machine.timing.time_interleaved``), the cache rolled
     back to the prompt after every call.
 
     ``n = 1`` is a plain decode step; ``n = k + 1`` is a verify step of ``k`` drafts. The byte model says the two

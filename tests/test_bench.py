@@ -9,8 +9,8 @@ import torch
 from kvlab import Decoder
 from kvlab.bench import Arm, RequestTiming, fit_line, interleaved_sweeps, percentile, summarize, sweep_context
 from kvlab.breakdown import breakdown, report
-from kvlab.roofline import weight_bytes_read
-from kvlab.timing import Bandwidth
+from kvlab.machine.timing import Bandwidth
+from kvlab.roofline.bytes import weight_bytes_read
 
 from .helpers import tiny_config
 

@@ -11,7 +11,7 @@ import pytest
 from autograde import hidden
 from kvlab import checks, get_model
 from kvlab.course import grading, lesson00_orientation, lesson01_bytes_per_step
-from kvlab.timing import Bandwidth
+from kvlab.machine.timing import Bandwidth
 from tests.helpers import assert_fails
 
 

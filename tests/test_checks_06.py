@@ -10,8 +10,8 @@ from autograde import hidden
 from kvlab import checks, get_model, roofline
 from kvlab.bench import RequestTiming, Sweep, SweepPoint, fit_line
 from kvlab.course import lesson06_gqa_mqa_mla as lesson06
+from kvlab.machine.timing import Bandwidth
 from kvlab.spec.config import MLAConfig
-from kvlab.timing import Bandwidth
 from tests.helpers import assert_fails, assert_silent
 
 BW = Bandwidth("cpu", 64.0, copy_gbps=10.0, read_gbps=10.0, copy_best_gbps=11.0, read_best_gbps=11.0, threads=1)

@@ -28,7 +28,7 @@ from kvlab.incident import (
 )
 from kvlab.model import Decoder
 from kvlab.pretrained import load_pretrained
-from kvlab.roofline import kv_bytes_per_token, weight_bytes
+from kvlab.roofline.bytes import kv_bytes_per_token, weight_bytes
 from kvlab.session import turns_to_drop
 from kvlab.spec.presets import get_gpu, get_model
 from kvlab.tokenizer import ASK, PASSKEY_BASE

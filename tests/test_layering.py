@@ -24,10 +24,10 @@ import kvlab
 
 LEVELS: tuple[tuple[str, ...], ...] = (
     ("kvlab", "kvlab.spec.validation", "kvlab.spec.dtypes", "kvlab.spec.config", "kvlab.spec.presets", "kvlab.spec.published",
-     "kvlab.roofline", "kvlab.stats", "kvlab.data"),
-    ("kvlab.device", "kvlab.disk_memo", "kvlab.timing", "kvlab.tokenizer", "kvlab.sampling"),
+     "kvlab.roofline.bytes", "kvlab.metrics", "kvlab.data"),
+    ("kvlab.machine.device", "kvlab.disk_memo", "kvlab.machine.timing", "kvlab.tokenizer", "kvlab.sampling"),
     ("kvlab.layers", "kvlab.weights"),
-    ("kvlab.kernels", "kvlab.triton_kernels"),
+    ("kvlab.kernels.reference", "kvlab.kernels.triton"),
     ("kvlab.cache", "kvlab.cache.*"),
     ("kvlab.attention", "kvlab.mla"),
     ("kvlab.model",),
@@ -38,7 +38,7 @@ LEVELS: tuple[tuple[str, ...], ...] = (
     ("kvlab.cli", "kvlab.report"),
 )  # fmt: skip
 TORCH_FREE_LEVELS = 1  # the arithmetic: `kvlab predict` and the byte model never wait for torch
-OPTIONAL = {"kvlab.triton_kernels": "triton"}  # modules of an extra (kvlab[gpu]): the package each needs
+OPTIONAL = {"kvlab.kernels.triton": "triton"}  # modules of an extra (kvlab[gpu]): the package each needs
 
 
 def level(module: str) -> int:

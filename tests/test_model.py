@@ -68,7 +68,7 @@ def test_gqa_with_as_many_kv_heads_as_heads_is_mha():
 
 
 def test_grouped_decode_kernel_matches_a_naive_per_head_reference():
-    from kvlab.kernels import decode_attention
+    from kvlab.kernels.reference import decode_attention
 
     g = torch.Generator().manual_seed(6)
     b, hkv, groups, d, s = 2, 3, 4, 16, 50
@@ -219,7 +219,7 @@ def test_half_precision_models_decode_close_to_fp32(dtype):
 
 def test_long_prefills_are_taken_in_query_blocks_with_the_same_result(monkeypatch):
     """A 32k-token prefill would otherwise hold T x T scores per head; blocks must not change the answer."""
-    import kvlab.kernels
+    import kvlab.kernels.reference
 
     model = Decoder(tiny_config(layer_windows=(6, None)), device="cpu")
     tokens = torch.randint(0, 101, (2, 40), generator=torch.Generator().manual_seed(14))
@@ -227,7 +227,7 @@ def test_long_prefills_are_taken_in_query_blocks_with_the_same_result(monkeypatc
         whole = model(tokens)
         cache = model.new_cache(2, 40)
         model.prefill(tokens[:, :9], cache)
-        monkeypatch.setattr(kvlab.kernels, "MAX_SCORES", 2 * 4 * 40 * 3)  # three queries per block
+        monkeypatch.setattr(kvlab.kernels.reference, "MAX_SCORES", 2 * 4 * 40 * 3)  # three queries per block
         # Blocks of 3 queries run masked SDPA on slices instead of one is_causal call: equal to rounding.
         assert_close(model(tokens), whole, **PATH_TOL)
         assert_close(model.prefill(tokens[:, 9:], cache), whole[:, 9:], **PATH_TOL)

@@ -11,7 +11,7 @@ from kvlab.cache.block_pool import BlockPool, PoolExhaustedError, shared_prefix_
 from kvlab.cache.codecs import get_codec
 from kvlab.cache.contiguous import ContiguousKVCache
 from kvlab.cache.paged import PagedKVCache
-from kvlab.kernels import cascade_decode_attention, decode_attention
+from kvlab.kernels.reference import cascade_decode_attention, decode_attention
 from kvlab.model import Decoder
 
 from .helpers import tiny_config

@@ -14,7 +14,7 @@ from kvlab.cache.block_pool import HOLE, BlockPool
 from kvlab.cache.paged import TABLE_ENTRY_BYTES, PagedKVCache
 from kvlab.cache.window import WindowKVCache
 from kvlab.model import Decoder
-from kvlab.roofline import kv_bytes_per_step
+from kvlab.roofline.bytes import kv_bytes_per_step
 from kvlab.speculative import speculative_generate
 
 from .helpers import tiny_config

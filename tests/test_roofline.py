@@ -8,7 +8,7 @@ from importlib import resources
 import pytest
 
 from kvlab import MLAConfig, ModelConfig, get_gpu, get_model
-from kvlab.roofline import (
+from kvlab.roofline.bytes import (
     acceptance_from_rate,
     active_params,
     batch_for_tpot,
@@ -153,7 +153,7 @@ def test_shared_prefix_is_read_once_per_batch():
 
 
 def test_group_size_counts_scales_and_zero_points_as_the_codecs_store_them():
-    from kvlab.roofline import kv_element_bytes
+    from kvlab.roofline.bytes import kv_element_bytes
 
     assert kv_element_bytes("int8", 64) == 1 + (2 + 2) / 64  # fp16 scale and zero point per group
     assert kv_element_bytes("int4", 32) == 0.5 + 4 / 32
@@ -169,7 +169,7 @@ def test_group_size_counts_scales_and_zero_points_as_the_codecs_store_them():
 @pytest.mark.parametrize("group_size", [1, 7, 32, 128])
 def test_group_size_arithmetic_matches_what_the_codecs_store(dtype, group_size):
     from kvlab.cache.codecs import get_codec
-    from kvlab.roofline import kv_element_bytes
+    from kvlab.roofline.bytes import kv_element_bytes
 
     stored = get_codec(dtype).stored_bytes((group_size,), 0, group_size)
     assert kv_element_bytes(dtype, group_size) * group_size == stored
@@ -490,7 +490,7 @@ def test_bad_mla_attention_flops_arguments_raise_value_error_naming_the_field(ma
 
 
 def test_the_byte_model_loads_no_torch():
-    code = "import kvlab.roofline, sys; assert 'torch' not in sys.modules, 'torch was imported'"
+    code = "import kvlab.roofline.bytes, sys; assert 'torch' not in sys.modules, 'torch was imported'"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
 

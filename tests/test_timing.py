@@ -1,12 +1,12 @@
-"""kvlab.timing: the one timer, the machine record, and the bandwidth and FLOP/s probes."""
+"""kvlab.machine.timing: the one timer, the machine record, and the bandwidth and FLOP/s probes."""
 
 import math
 import time
 
 import pytest
 
-from kvlab.device import last_level_cache_bytes
-from kvlab.timing import (
+from kvlab.machine.device import last_level_cache_bytes
+from kvlab.machine.timing import (
     Stopwatch,
     bandwidth_buffer_mb,
     machine_info,
@@ -88,7 +88,7 @@ def test_last_level_cache_counts_each_shared_instance_once(tmp_path):
 
 
 def test_last_level_cache_survives_missing_or_garbled_sysfs(tmp_path, monkeypatch):
-    monkeypatch.setattr("kvlab.device.platform.system", lambda: "Linux")  # no sysctl fallback
+    monkeypatch.setattr("kvlab.machine.device.platform.system", lambda: "Linux")  # no sysctl fallback
     assert last_level_cache_bytes(tmp_path / "absent") is None
     _fake_cache(tmp_path, 0, 0, 2, "Unified", "4M")  # no shared_cpu_list: counted once per level
     _fake_cache(tmp_path, 1, 0, 2, "Unified", "4M")

@@ -1,4 +1,4 @@
-"""The Triton decode kernels (``kvlab.triton_kernels``) against the torch reference, on the layouts the caches keep.
+"""The Triton decode kernels (``kvlab.kernels.triton``) against the torch reference, on the layouts the caches keep.
 
 Without CUDA the kernels run in Triton's interpreter on CPU tensors. Triton picks the interpreter when its
 ``@triton.jit`` decorators run, its own library's (at ``import triton``) as well as kvlab's, and reads
@@ -28,7 +28,7 @@ from kvlab.cache.contiguous import ContiguousKVCache
 from kvlab.cache.paged import PagedKVCache
 from kvlab.cache.quantized import QuantizedKVCache
 from kvlab.cache.stores import EncodedStore, FloatStore
-from kvlab.kernels import decode_attention, partial_attention
+from kvlab.kernels.reference import decode_attention, partial_attention
 
 INTERPRET = not torch.cuda.is_available()  # without CUDA, Triton's interpreter runs the kernels on the CPU
 with pytest.MonkeyPatch.context() as _patch:
@@ -38,7 +38,7 @@ with pytest.MonkeyPatch.context() as _patch:
     from triton.language.standard import zeros as _a_library_kernel
     from triton.runtime.interpreter import InterpretedFunction
 
-    tk = importlib.import_module("kvlab.triton_kernels")
+    tk = importlib.import_module("kvlab.kernels.triton")
     IN_PROCESS = not INTERPRET or isinstance(_a_library_kernel, InterpretedFunction)
     if IN_PROCESS and INTERPRET and not tk.INTERPRETED:
         tk = importlib.reload(tk)  # imported earlier without the variable: rebuild its kernels for the interpreter
@@ -292,7 +292,7 @@ def step(cache, gen: torch.Generator, n: int, batch: int) -> None:
 
 
 class Counted:
-    """``kvlab.triton_kernels`` with a count of the kernel calls made through it."""
+    """``kvlab.kernels.triton`` with a count of the kernel calls made through it."""
 
     def __init__(self) -> None:
         self.calls = 0

@@ -10,7 +10,7 @@ from autograde import hidden
 from kvlab import Decoder
 from kvlab.breakdown import layer_weights
 from kvlab.checks import check_int8_weight_bytes
-from kvlab.roofline import weight_bytes_read
+from kvlab.roofline.bytes import weight_bytes_read
 from kvlab.weights import (
     WeightFormat,
     int8_step_weight_bytes,

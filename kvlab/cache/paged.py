@@ -18,7 +18,7 @@ contiguous cache's kernel on it, so paged decode equals contiguous decode up to 
 over tensors of other sizes and strides, which a BLAS may block and sum in another order). A fused paged kernel
 (vLLM's, FlashInfer's) reads the blocks in place; the gather is an extra copy that the byte counts leave out and
 CPU timings pay for. A layer with a sliding window gathers only the blocks its window reaches. On CUDA with
-``kvlab[gpu]`` installed, a decode step that does not cascade runs ``kvlab.triton_kernels`` instead, which reads
+``kvlab[gpu]`` installed, a decode step that does not cascade runs ``kvlab.kernels.triton`` instead, which reads
 the blocks in place, in one launch for a ragged batch too.
 
 Prefix hits: the cache can only hash blocks whose token ids it knows, and ``Decoder`` hands a cache no token ids.
@@ -71,7 +71,7 @@ import torch
 from kvlab.cache.base import CacheCapacityError, CacheShape, KVCache, Rotate, kv_codec, refuse_latent
 from kvlab.cache.block_pool import HOLE, BlockPool, int_tuple, shared_prefix_blocks
 from kvlab.cache.stores import fused_kernels, make_store
-from kvlab.kernels import (
+from kvlab.kernels.reference import (
     MAX_SCORES,
     attend_slab,
     attention_with_probs,

@@ -50,7 +50,13 @@ import torch
 from kvlab.cache.base import CacheShape, Rotate, SlabKVCache, refuse_latent, refuse_window
 from kvlab.cache.codecs import Codec, Encoded, IntCodec, get_codec
 from kvlab.cache.stores import fused_kernels
-from kvlab.kernels import attend_slab, decode_attention, merge_partials, online_softmax_attention, partial_attention
+from kvlab.kernels.reference import (
+    attend_slab,
+    decode_attention,
+    merge_partials,
+    online_softmax_attention,
+    partial_attention,
+)
 from kvlab.spec.validation import require_int
 
 ATTENTION_PATHS: tuple[str, ...] = ("chunked", "naive", "int-dot")
@@ -293,7 +299,7 @@ class QuantizedKVCache(SlabKVCache):
                 yield self._ring_k[layer][:, :, window].float(), self._ring_v[layer][:, :, window].float(), pos + offset
 
     def _attend_fused(self, kernels: ModuleType, layer: int, qs: torch.Tensor) -> torch.Tensor:
-        """The chunked path's decode step on CUDA: ``kvlab.triton_kernels`` reads the quantized tokens' codes in
+        """The chunked path's decode step on CUDA: ``kvlab.kernels.triton`` reads the quantized tokens' codes in
         place, merged by lse with the residual ring's tokens. ``qs``: ``[B, Hkv, g, D]``, scaled."""
         parts = []
         if self._quant:

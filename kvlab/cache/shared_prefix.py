@@ -20,7 +20,7 @@ import torch
 
 from kvlab.cache.base import CacheShape, KVCache, Rotate
 from kvlab.cache.contiguous import ContiguousKVCache
-from kvlab.kernels import attend_slab, cascade_decode_attention
+from kvlab.kernels.reference import attend_slab, cascade_decode_attention
 from kvlab.spec.validation import require_int
 
 

@@ -7,7 +7,7 @@ decides how their bytes are encoded. Every storage and policy is written against
 composes with any codec.
 
 - ``FloatStore`` (fp32, fp16, bf16): the tensor as it is. Keys can be kept key-major, ``[*lead, dim, slots]``,
-  so decode's ``q @ K`` streams contiguous runs of tokens (``kvlab.kernels``); reads are views.
+  so decode's ``q @ K`` streams contiguous runs of tokens (``kvlab.kernels.reference``); reads are views.
 - ``EncodedStore`` (fp8, int8, int4): each slot encoded on its own (``kvlab.cache.codecs``), ``group_size``
   channels sharing a scale, so a slot can be overwritten in place (a window's ring, an H2O eviction, a block)
   without touching its neighbours. Token-major, since int4 packs two channels per byte. Reads decode into fp32.
@@ -28,7 +28,7 @@ import torch
 
 from kvlab.cache.base import FLOAT_DTYPES
 from kvlab.cache.codecs import Encoded, get_codec
-from kvlab.kernels import attend_slab, online_softmax_attention
+from kvlab.kernels.reference import attend_slab, online_softmax_attention
 from kvlab.spec.dtypes import to_torch
 
 Index = Any  # a tuple of ints, slices and index tensors over the grid's dims, as for a tensor
@@ -258,15 +258,15 @@ def make_store(
 
 
 def fused_kernels(device: torch.device) -> ModuleType | None:
-    """``kvlab.triton_kernels`` where its decode kernels run on ``device`` (CUDA, with ``kvlab[gpu]`` installed),
+    """``kvlab.kernels.triton`` where its decode kernels run on ``device`` (CUDA, with ``kvlab[gpu]`` installed),
     else ``None``. Only CUDA: on the CPU the torch kernels are the reference, and stay the path taken."""
     if device.type != "cuda":
         return None
     try:
-        from kvlab import triton_kernels
+        from kvlab.kernels import triton as fused
     except ImportError:
         return None
-    return triton_kernels if triton_kernels.available(device) else None
+    return fused if fused.available(device) else None
 
 
 def attend_stores(
@@ -284,7 +284,7 @@ def attend_stores(
     ``q``: ``[B, Hkv, G, T, D]``, scaled, at positions ``q_start ..``. ``values=None``: the values are the keys'
     first ``value_dim`` channels (MLA's latent). A decode step reads only the last ``window`` slots when given one;
     over an encoded store it decodes ``chunk`` slots at a time and merges them by online softmax, so it moves the
-    stored bytes once. On CUDA a decode step runs ``kvlab.triton_kernels`` over the stores in place instead. Returns
+    stored bytes once. On CUDA a decode step runs ``kvlab.kernels.triton`` over the stores in place instead. Returns
     ``[B, Hkv, G, T, Dv]``.
     """
     fused = fused_kernels(q.device) if q.shape[-2] == 1 and values is not None else None

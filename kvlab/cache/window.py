@@ -30,7 +30,7 @@ import torch
 from kvlab.cache.base import CacheShape, Rotate
 from kvlab.cache.policies import FixedSlotsKVCache
 from kvlab.cache.stores import attend_stores
-from kvlab.kernels import attention_with_probs, window_mask
+from kvlab.kernels.reference import attention_with_probs, window_mask
 from kvlab.spec.validation import require_int
 
 POSITIONS = ("original", "reassigned")

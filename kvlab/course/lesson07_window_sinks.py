@@ -16,7 +16,7 @@ from kvlab.cache.window import POSITIONS, WindowKVCache
 from kvlab.course.grading import _call, _close, _exact_int, _fail, _is_int, _label, _timed_together
 from kvlab.course.measured import Reading, reading, tell
 from kvlab.quality import NeedleResult, PerplexityResult, needle_prompts
-from kvlab.roofline import kv_bytes_per_token
+from kvlab.roofline.bytes import kv_bytes_per_token
 from kvlab.spec.config import ModelConfig
 from kvlab.spec.presets import get_model
 

@@ -17,13 +17,13 @@ only, so a CUDA graph can capture a step and replay it at any lengths.
 
 Split-K (flash-decoding): at batch 1 there are only ``Hkv`` programs, too few to fill a GPU. ``n_splits > 1`` cuts
 each row's context into that many spans, one program each, which write a partial ``(out, lse)``; a second, tiny
-kernel merges them exactly as ``kvlab.kernels.merge_partials`` does.
+kernel merges them exactly as ``kvlab.kernels.reference.merge_partials`` does.
 
 The kernels need CUDA, or Triton's interpreter on the CPU: set ``TRITON_INTERPRET=1`` before this module is
 imported (the ``@triton.jit`` decorators read it), which is how the tests run it (about 1e-7 from the torch
 reference, about a millisecond per program instance). This module imports nothing from ``kvlab.cache``: it reads
 stores by their public attributes (``encoded``, ``data``, ``key_major``, ``stored``), so it sits beside
-``kvlab.kernels``.
+``kvlab.kernels.reference``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ try:
     from triton.runtime.interpreter import InterpretedFunction
 except ImportError as e:  # pragma: no cover - exercised only where triton is absent
     raise ImportError(
-        f'kvlab.triton_kernels needs Triton, which is not installed ({e}); install it with pip install "kvlab[gpu]"'
+        f'kvlab.kernels.triton needs Triton, which is not installed ({e}); install it with pip install "kvlab[gpu]"'
     ) from e
 
 CODECS: tuple[str, ...] = ("float", "fp8", "int8", "int4")
@@ -376,7 +376,7 @@ def _launch(
     if not available(q.device):
         raise ValueError(
             f"q: on {q.device}, where these kernels cannot run; allowed: CUDA, or the CPU with TRITON_INTERPRET=1 "
-            "set before kvlab.triton_kernels is imported"
+            "set before kvlab.kernels.triton is imported"
         )
 
     dv = v.dim
@@ -427,7 +427,7 @@ def contiguous_decode(
     ``q``: ``[B, Hkv, G, D]``, scaled. ``k_t``: ``[B, Hkv, D, S]`` (key-major, ``FloatStore.data``). ``v``:
     ``[B, Hkv, S, Dv]``. ``lengths``: int ``[B]``, each at most ``S``. ``window``: only each row's last ``window``
     tokens. ``n_splits``: spans per row (split-K). Returns ``[B, Hkv, G, Dv]`` in q's dtype, and with
-    ``return_lse`` also the lse ``[B, Hkv, G, 1]`` (fp32), as ``kvlab.kernels.partial_attention`` does.
+    ``return_lse`` also the lse ``[B, Hkv, G, 1]`` (fp32), as ``kvlab.kernels.reference.partial_attention`` does.
     """
     keys, values = _float_operand("k_t", k_t, True, False), _float_operand("v", v, False, False)
     return _launch(q, keys, values, lengths, None, 0, window, n_splits, return_lse)
@@ -475,7 +475,7 @@ def quantized_decode(
     ``[Hkv, n_blocks * block_size, D]`` (a pool): token-major codes (int4 packed to ``ceil(D / 2)`` bytes),
     ``scale`` (and ``zero``) grouped along channels (``EncodedStore``, KIVI's values) or along tokens (KIVI's
     per-channel keys, a slab only). ``q``, ``lengths``, ``table`` and the rest as for ``paged_decode`` (with a
-    table) or ``contiguous_decode`` (without). The result equals ``kvlab.kernels.decode_attention`` over the
+    table) or ``contiguous_decode`` (without). The result equals ``kvlab.kernels.reference.decode_attention`` over the
     codec's own decode, to fp32 rounding.
     """
     pooled = table is not None

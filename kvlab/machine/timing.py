@@ -18,7 +18,7 @@ from typing import TypeVar
 
 import torch
 
-from kvlab.device import last_level_cache_bytes, resolve_device, synchronize
+from kvlab.machine.device import last_level_cache_bytes, resolve_device, synchronize
 from kvlab.spec.dtypes import to_torch
 from kvlab.spec.validation import require_int
 
@@ -186,7 +186,7 @@ def bandwidth_buffer_mb(quick: bool = False, llc_bytes: int | None = None) -> fl
     """A probe buffer (MB, 1e6 bytes) large enough that the bandwidth measured is memory's, not the cache's.
 
     Full size: ``max(256, 4 x LLC)``. Quick: ``max(64, 2 x LLC)``, still twice the cache. ``llc_bytes`` defaults to
-    what ``kvlab.device.last_level_cache_bytes`` reads; where the machine hides it, the floors apply. A machine
+    what ``kvlab.machine.device.last_level_cache_bytes`` reads; where the machine hides it, the floors apply. A machine
     with 260 MiB of L3 thus gets 1,091 MB (546 quick), where a 64 MB buffer would sit in its cache.
     """
     if llc_bytes is None:
