@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from kvlab import Decoder, get_model
 from kvlab.bench import fit_line, sweep_context
 from kvlab.cache import CacheShape, ContiguousKVCache, KVCache, PagedKVCache
-from kvlab.cache.stores import fused_kernels
+from kvlab.cache.codec.stores import fused_kernels
 from kvlab.cuda_graphs import GraphedDecodeStep, StaticKVCache
 from kvlab.machine.timing import Bandwidth, bandwidth_buffer_mb, cpu_name, machine_info, measure_bandwidth, time_call
 from kvlab.roofline.bytes import predict_tpot_ms, weight_bytes_read
@@ -284,7 +284,7 @@ def kernels(check: Check, bw: Bandwidth) -> dict:
         fit = fit_line(contexts, [p["ms"] for p in record["points"]])
         record["slope_us_per_token"], record["intercept_ms"], record["r2"] = fit.slope * 1e3, fit.intercept, fit.r2
     fused = fused_kernels(device)
-    results["reader"] = "kvlab.kernels.triton" if fused is not None else "torch (kvlab.kernels.reference, kvlab.cache.stores)"
+    results["reader"] = "kvlab.kernels.triton" if fused is not None else "torch (kvlab.kernels.reference, kvlab.cache.codec.stores)"
 
     def draw(plt):
         fig, ax = plt.subplots(figsize=(7, 4.5))

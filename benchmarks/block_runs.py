@@ -18,7 +18,7 @@ import argparse
 import math
 import random
 
-from kvlab.cache.block_pool import BlockPool
+from kvlab.cache.storage.block_pool import BlockPool
 
 
 def consecutive(table: list[int]) -> bool:

@@ -28,8 +28,8 @@ from collections.abc import Callable
 import torch
 
 from kvlab.cache.base import CacheShape, KVCache
-from kvlab.cache.contiguous import ContiguousKVCache
-from kvlab.cache.quantized import QuantizedKVCache
+from kvlab.cache.codec.kivi import QuantizedKVCache
+from kvlab.cache.storage.slab import ContiguousKVCache
 from kvlab.machine.timing import cpu_name, measure_bandwidth, time_call
 
 

@@ -26,7 +26,7 @@ from kvlab import Decoder, get_model
 from kvlab.bench import sweep_context
 from kvlab.cache import PagedKVCache, WindowKVCache
 from kvlab.cache.base import KVCache
-from kvlab.cache.shared_prefix import SharedPrefixKVCache
+from kvlab.cache.storage.shared_prefix import SharedPrefixKVCache
 from kvlab.cli import parse_tokens
 from kvlab.machine.timing import bandwidth_buffer_mb, machine_info, measure_bandwidth, time_interleaved
 

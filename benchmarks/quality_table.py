@@ -21,9 +21,9 @@ from functools import partial
 from pathlib import Path
 
 from kvlab.cache.base import CacheFactory, default_cache
-from kvlab.cache.heavy_hitters import HeavyHitterKVCache
-from kvlab.cache.quantized import QuantizedKVCache
-from kvlab.cache.window import WindowKVCache
+from kvlab.cache.codec.kivi import QuantizedKVCache
+from kvlab.cache.policy.heavy_hitters import HeavyHitterKVCache
+from kvlab.cache.policy.window import WindowKVCache
 from kvlab.machine.timing import Stopwatch
 from kvlab.pretrained import bos_token, heldout_tokens, list_pretrained, load_pretrained
 from kvlab.quality import CHANCE, needle_recall, perplexity

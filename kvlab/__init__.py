@@ -11,7 +11,7 @@ import importlib
 # public name -> the module that defines it
 _EXPORTS: dict[str, str] = {
     "CacheCapacityError": "kvlab.cache.base",
-    "ContiguousKVCache": "kvlab.cache.contiguous",
+    "ContiguousKVCache": "kvlab.cache.storage.slab",
     "Decoder": "kvlab.model",
     "KVCache": "kvlab.cache.base",
     "MLAConfig": "kvlab.spec.config",

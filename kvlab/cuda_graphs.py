@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvlab.cache.base import FLOAT_DTYPES, CacheCapacityError, CacheShape, KVCache, Rotate, kv_codec, refuse_latent
-from kvlab.cache.stores import fused_kernels, make_store
+from kvlab.cache.codec.stores import fused_kernels, make_store
 from kvlab.kernels.reference import attention_with_probs, window_mask
 from kvlab.spec.validation import require_int
 

@@ -56,8 +56,8 @@ from typing import Protocol
 import torch
 
 from kvlab.bench import RequestTiming, latency_summaries
-from kvlab.cache.block_pool import int_tuple
-from kvlab.cache.paged import PagedKVCache
+from kvlab.cache.storage.block_pool import int_tuple
+from kvlab.cache.storage.paged import PagedKVCache
 from kvlab.machine.timing import Stopwatch
 from kvlab.model import Decoder
 from kvlab.roofline.bytes import (

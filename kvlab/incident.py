@@ -34,7 +34,7 @@ import torch
 
 from kvlab.bench import latency_summaries
 from kvlab.cache.base import KVCache
-from kvlab.cache.window import WindowKVCache
+from kvlab.cache.policy.window import WindowKVCache
 from kvlab.disk_memo import remembered
 from kvlab.engine import Clock, Engine, Request, RunReport, SimulatedClock
 from kvlab.model import Decoder

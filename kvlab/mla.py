@@ -16,7 +16,7 @@ so attention over the same cache can be computed two ways (``MLAAttention.absorb
   latent space) and score against the latent itself; and since the softmax-weighted sum is linear, sum the latents
   and apply ``W_uv`` once, afterwards. A step reads only the latent. Seen this way, MLA is multi-query attention
   with one shared head whose key is ``[c_kv | k_rope]`` (``r + p`` wide) and whose value is ``c_kv``, the key's
-  first ``r`` channels: ``kvlab.cache.latent.LatentKVCache`` stores it so, and runs the same kernels as an MQA
+  first ``r`` channels: ``kvlab.cache.storage.latent.LatentKVCache`` stores it so, and runs the same kernels as an MQA
 cache. This module scales and groups the latent queries (``[B, 1, H, T, r + p]``); the cache only stores and reads.
 
 Absorption is not free: each cached token costs ``2H(2r + p)`` FLOPs instead of ``2H(n + p + v)`` over per-head

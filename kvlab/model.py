@@ -17,9 +17,9 @@ import torch.nn as nn
 
 from kvlab.attention import Attention
 from kvlab.cache.base import KVCache
-from kvlab.cache.contiguous import ContiguousKVCache
-from kvlab.cache.latent import LatentKVCache
-from kvlab.cache.window import WindowKVCache
+from kvlab.cache.policy.window import WindowKVCache
+from kvlab.cache.storage.latent import LatentKVCache
+from kvlab.cache.storage.slab import ContiguousKVCache
 from kvlab.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from kvlab.machine.device import resolve_device
 from kvlab.mla import MLAAttention

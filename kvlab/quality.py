@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvlab.cache.base import CacheFactory, KVCache, default_cache
-from kvlab.cache.heavy_hitters import HeavyHitterKVCache
+from kvlab.cache.policy.heavy_hitters import HeavyHitterKVCache
 from kvlab.model import Decoder
 from kvlab.pretrained import heldout_tokens
 from kvlab.spec.validation import require_fraction, require_int

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from kvlab.cache.base import CacheFactory, default_cache
-from kvlab.cache.window import POSITIONS, WindowKVCache
+from kvlab.cache.policy.window import POSITIONS, WindowKVCache
 from kvlab.machine.timing import Stopwatch, machine_info
 from kvlab.model import Decoder
 from kvlab.pretrained import HELDOUT_FILE, heldout_tokens

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvlab.cache.block_pool import BlockPool, PoolExhaustedError
+from kvlab.cache.storage.block_pool import BlockPool, PoolExhaustedError
 
 N_BLOCKS, BLOCK_SIZE = 10, 2
 # Two token values and two-token blocks make prefix hits (and, with the weak hash, collisions) common.
@@ -161,7 +161,7 @@ class WeakHashMachine(BlockPoolMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.patch = mock.patch("kvlab.cache.block_pool.chain_hash", lambda parent_hash, tokens: sum(tokens) % 2)
+        self.patch = mock.patch("kvlab.cache.storage.block_pool.chain_hash", lambda parent_hash, tokens: sum(tokens) % 2)
         self.patch.start()
 
     def teardown(self) -> None:

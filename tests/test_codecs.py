@@ -9,8 +9,8 @@ from torch.testing import assert_close
 
 from kvlab import ContiguousKVCache, Decoder
 from kvlab.cache.base import CacheShape
-from kvlab.cache.codecs import CODECS, IntCodec, get_codec, pack_codes, unpack_codes
-from kvlab.cache.quantized import QuantizedKVCache, codec_error, folded_value_product, int8_key_scores
+from kvlab.cache.codec.codecs import CODECS, IntCodec, get_codec, pack_codes, unpack_codes
+from kvlab.cache.codec.kivi import QuantizedKVCache, codec_error, folded_value_product, int8_key_scores
 
 from .helpers import tiny_config
 

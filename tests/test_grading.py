@@ -21,7 +21,7 @@ import pytest
 
 from autograde import hidden
 from kvlab import checks
-from kvlab.cache.block_pool import chain_hash
+from kvlab.cache.storage.block_pool import chain_hash
 from tests.conftest import LESSONS, REPO, run_autograde
 
 pytestmark = pytest.mark.notebooks

@@ -7,8 +7,8 @@ from torch.testing import assert_close
 
 from kvlab import CacheCapacityError, Decoder, MLAConfig, ModelConfig, get_model
 from kvlab.cache.base import CacheShape, KVCache
-from kvlab.cache.codecs import get_codec
-from kvlab.cache.latent import LatentKVCache
+from kvlab.cache.codec.codecs import get_codec
+from kvlab.cache.storage.latent import LatentKVCache
 from kvlab.mla import MLAAttention, set_absorb
 from kvlab.roofline.bytes import kv_bytes_per_step, kv_bytes_per_token, param_count
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from kvlab.cache.base import CacheCapacityError, CacheShape
-from kvlab.cache.block_pool import BlockPool, PoolExhaustedError, shared_prefix_blocks
-from kvlab.cache.codecs import get_codec
-from kvlab.cache.contiguous import ContiguousKVCache
-from kvlab.cache.paged import PagedKVCache
+from kvlab.cache.codec.codecs import get_codec
+from kvlab.cache.storage.block_pool import BlockPool, PoolExhaustedError, shared_prefix_blocks
+from kvlab.cache.storage.paged import PagedKVCache
+from kvlab.cache.storage.slab import ContiguousKVCache
 from kvlab.kernels.reference import cascade_decode_attention, decode_attention
 from kvlab.model import Decoder
 
@@ -186,7 +186,7 @@ def test_prefix_hit_leaves_the_last_token_and_covers_fed_response_tokens(gqa: De
 
 
 def test_a_hash_collision_is_a_miss_not_wrong_kv(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("kvlab.cache.block_pool.chain_hash", lambda parent_hash, block_tokens: 0)
+    monkeypatch.setattr("kvlab.cache.storage.block_pool.chain_hash", lambda parent_hash, block_tokens: 0)
     pool = BlockPool(n_blocks=8, block_size=2)
     a, _ = pool.add_sequence()
     pool.append([a], 4, [[1, 2, 3, 4]])
@@ -350,7 +350,7 @@ def test_cascade_cache_decode_matches_and_reads_the_prefix_once(gqa: Decoder, mo
         prefix_lengths.append(prefix_k_t.shape[-1])
         return cascade_decode_attention(q, prefix_k_t, *rest)
 
-    monkeypatch.setattr("kvlab.cache.paged.cascade_decode_attention", spy)
+    monkeypatch.setattr("kvlab.cache.storage.paged.cascade_decode_attention", spy)
     cascade, logits_c = _shared_prompt_batch(gqa, cascade=True)
     plain, logits_p = _shared_prompt_batch(gqa, cascade=False)
     # Prefill does not use cascade, and both caches have the same pool shape and block tables: the same kernels on

@@ -10,8 +10,8 @@ import torch
 
 import kvlab.model
 from kvlab.cache.base import CacheCapacityError, CacheShape
-from kvlab.cache.contiguous import ContiguousKVCache
-from kvlab.cache.paged import PagedKVCache
+from kvlab.cache.storage.paged import PagedKVCache
+from kvlab.cache.storage.slab import ContiguousKVCache
 from kvlab.model import Decoder
 
 from .helpers import tiny_config

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kvlab.cache.base import CacheRollbackError, CacheShape
-from kvlab.cache.block_pool import HOLE, BlockPool
-from kvlab.cache.paged import TABLE_ENTRY_BYTES, PagedKVCache
-from kvlab.cache.window import WindowKVCache
+from kvlab.cache.policy.window import WindowKVCache
+from kvlab.cache.storage.block_pool import HOLE, BlockPool
+from kvlab.cache.storage.paged import TABLE_ENTRY_BYTES, PagedKVCache
 from kvlab.model import Decoder
 from kvlab.roofline.bytes import kv_bytes_per_step
 from kvlab.speculative import speculative_generate
@@ -70,7 +70,7 @@ def test_a_long_chunk_attends_a_block_of_queries_at_a_time(monkeypatch: pytest.M
     gen = torch.Generator().manual_seed(8)
     prompt, follow = torch.randint(0, 101, (sum(CHUNKS),), generator=gen), torch.randint(0, 101, (6,), generator=gen)
     whole = run(model, PagedKVCache.for_model(model, n_blocks=16, block_size=4, window=6, sinks=2), prompt, follow)
-    monkeypatch.setattr("kvlab.cache.paged.MAX_SCORES", 160)  # one query per block: 4 heads x ~27 slots each
+    monkeypatch.setattr("kvlab.cache.storage.paged.MAX_SCORES", 160)  # one query per block: 4 heads x ~27 slots each
     cache = PagedKVCache.for_model(model, n_blocks=16, block_size=4, window=6, sinks=2)
     torch.testing.assert_close(run(model, cache, prompt, follow), whole, **LOGITS_TOL)
     # read() returns the kept tokens in position order: the window cache's slots, sorted by position.

@@ -14,8 +14,8 @@ from torch.testing import assert_close
 
 from kvlab import CacheCapacityError, ContiguousKVCache, Decoder, MLAConfig, ModelConfig
 from kvlab.cache.base import CacheShape
-from kvlab.cache.heavy_hitters import HeavyHitterKVCache
-from kvlab.cache.window import WindowKVCache
+from kvlab.cache.policy.heavy_hitters import HeavyHitterKVCache
+from kvlab.cache.policy.window import WindowKVCache
 from kvlab.layers import apply_rope
 
 CFG = ModelConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=97, max_seq_len=256)

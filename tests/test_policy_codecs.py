@@ -15,9 +15,9 @@ from torch.testing import assert_close
 from kvlab import Decoder
 from kvlab.attention import rotated
 from kvlab.cache.base import CacheShape
-from kvlab.cache.codecs import get_codec
-from kvlab.cache.heavy_hitters import HeavyHitterKVCache
-from kvlab.cache.window import WindowKVCache
+from kvlab.cache.codec.codecs import get_codec
+from kvlab.cache.policy.heavy_hitters import HeavyHitterKVCache
+from kvlab.cache.policy.window import WindowKVCache
 from kvlab.layers import RotaryEmbedding
 from tests.helpers import tiny_config
 

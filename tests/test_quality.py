@@ -11,11 +11,11 @@ from torch.testing import assert_close
 
 from kvlab import quality
 from kvlab.cache.base import default_cache
-from kvlab.cache.contiguous import ContiguousKVCache
-from kvlab.cache.heavy_hitters import HeavyHitterKVCache
-from kvlab.cache.paged import PagedKVCache
-from kvlab.cache.quantized import QuantizedKVCache
-from kvlab.cache.window import WindowKVCache
+from kvlab.cache.codec.kivi import QuantizedKVCache
+from kvlab.cache.policy.heavy_hitters import HeavyHitterKVCache
+from kvlab.cache.policy.window import WindowKVCache
+from kvlab.cache.storage.paged import PagedKVCache
+from kvlab.cache.storage.slab import ContiguousKVCache
 from kvlab.model import Decoder
 from kvlab.pretrained import heldout_tokens, load_pretrained
 from kvlab.quality import (

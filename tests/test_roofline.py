@@ -168,7 +168,7 @@ def test_group_size_counts_scales_and_zero_points_as_the_codecs_store_them():
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp8", "int8", "int4"])
 @pytest.mark.parametrize("group_size", [1, 7, 32, 128])
 def test_group_size_arithmetic_matches_what_the_codecs_store(dtype, group_size):
-    from kvlab.cache.codecs import get_codec
+    from kvlab.cache.codec.codecs import get_codec
     from kvlab.roofline.bytes import kv_element_bytes
 
     stored = get_codec(dtype).stored_bytes((group_size,), 0, group_size)
@@ -177,7 +177,7 @@ def test_group_size_arithmetic_matches_what_the_codecs_store(dtype, group_size):
 
 def test_byte_model_agrees_with_a_quantized_cache_with_no_residual():
     from kvlab import Decoder
-    from kvlab.cache.quantized import QuantizedKVCache
+    from kvlab.cache.codec.kivi import QuantizedKVCache
 
     cfg = ModelConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=96, vocab_size=50, max_seq_len=256)
     model = Decoder(cfg, device="cpu")

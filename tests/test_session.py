@@ -8,7 +8,7 @@ import torch
 from torch.testing import assert_close
 
 from kvlab import Decoder, ModelConfig
-from kvlab.cache.window import WindowKVCache
+from kvlab.cache.policy.window import WindowKVCache
 from kvlab.session import ChatSession, Rebuild
 
 from .helpers import assert_greedy_picks

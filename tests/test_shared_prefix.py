@@ -4,8 +4,8 @@ from torch.testing import assert_close
 
 from kvlab import Decoder
 from kvlab.cache.base import CacheShape
-from kvlab.cache.contiguous import ContiguousKVCache
-from kvlab.cache.shared_prefix import SharedPrefixKVCache
+from kvlab.cache.storage.shared_prefix import SharedPrefixKVCache
+from kvlab.cache.storage.slab import ContiguousKVCache
 
 from .helpers import tiny_config
 

@@ -10,12 +10,12 @@ import torch
 from torch.testing import assert_close
 
 from kvlab.cache.base import CacheRollbackError, CacheShape
-from kvlab.cache.contiguous import ContiguousKVCache
-from kvlab.cache.heavy_hitters import HeavyHitterKVCache
-from kvlab.cache.paged import PagedKVCache
-from kvlab.cache.quantized import QuantizedKVCache
-from kvlab.cache.shared_prefix import SharedPrefixKVCache
-from kvlab.cache.window import WindowKVCache
+from kvlab.cache.codec.kivi import QuantizedKVCache
+from kvlab.cache.policy.heavy_hitters import HeavyHitterKVCache
+from kvlab.cache.policy.window import WindowKVCache
+from kvlab.cache.storage.paged import PagedKVCache
+from kvlab.cache.storage.shared_prefix import SharedPrefixKVCache
+from kvlab.cache.storage.slab import ContiguousKVCache
 from kvlab.model import Decoder
 from kvlab.spec.config import MLAConfig
 from kvlab.speculative import inflate_mlp, prompt_lookup, speculative_generate, time_verify_steps

@@ -21,13 +21,15 @@ import sys
 import pytest
 import torch
 
-from kvlab.cache import paged, quantized, stores
 from kvlab.cache.base import CacheShape
-from kvlab.cache.codecs import get_codec
-from kvlab.cache.contiguous import ContiguousKVCache
-from kvlab.cache.paged import PagedKVCache
-from kvlab.cache.quantized import QuantizedKVCache
-from kvlab.cache.stores import EncodedStore, FloatStore
+from kvlab.cache.codec import kivi as quantized
+from kvlab.cache.codec import stores
+from kvlab.cache.codec.codecs import get_codec
+from kvlab.cache.codec.kivi import QuantizedKVCache
+from kvlab.cache.codec.stores import EncodedStore, FloatStore
+from kvlab.cache.storage import paged
+from kvlab.cache.storage.paged import PagedKVCache
+from kvlab.cache.storage.slab import ContiguousKVCache
 from kvlab.kernels.reference import decode_attention, partial_attention
 
 INTERPRET = not torch.cuda.is_available()  # without CUDA, Triton's interpreter runs the kernels on the CPU

@@ -20,9 +20,9 @@ import torch
 
 from kvlab.bench import fit_line
 from kvlab.cache.base import CacheShape
-from kvlab.cache.contiguous import ContiguousKVCache
-from kvlab.cache.paged import PagedKVCache
-from kvlab.cache.shared_prefix import SharedPrefixKVCache
+from kvlab.cache.storage.paged import PagedKVCache
+from kvlab.cache.storage.shared_prefix import SharedPrefixKVCache
+from kvlab.cache.storage.slab import ContiguousKVCache
 from kvlab.course.grading import _call, _close, _exact_int, _fail, _is_int
 from kvlab.course.measured import Reading, reading, tell
 from kvlab.engine import Engine, Request, RunReport

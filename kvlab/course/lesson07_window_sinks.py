@@ -12,7 +12,7 @@ import torch
 
 from kvlab.bench import Sweep
 from kvlab.cache.base import FLOAT_DTYPES, CacheShape
-from kvlab.cache.window import POSITIONS, WindowKVCache
+from kvlab.cache.policy.window import POSITIONS, WindowKVCache
 from kvlab.course.grading import _call, _close, _exact_int, _fail, _is_int, _label, _timed_together
 from kvlab.course.measured import Reading, reading, tell
 from kvlab.quality import NeedleResult, PerplexityResult, needle_prompts

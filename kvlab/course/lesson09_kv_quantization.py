@@ -13,8 +13,8 @@ import torch
 
 from kvlab.bench import Sweep
 from kvlab.cache.base import CacheShape
-from kvlab.cache.codecs import IntCodec, get_codec
-from kvlab.cache.quantized import ATTENTION_PATHS, KEY_QUANT, QuantizedKVCache
+from kvlab.cache.codec.codecs import IntCodec, get_codec
+from kvlab.cache.codec.kivi import ATTENTION_PATHS, KEY_QUANT, QuantizedKVCache
 from kvlab.course.grading import _call, _close, _exact_int, _fail, _is_real, _label, _timed_together
 from kvlab.course.measured import Reading, reading, tell
 from kvlab.kernels.reference import decode_attention
@@ -252,7 +252,7 @@ def check_quantize(
             _fail(
                 label,
                 "codes unlike kvlab's IntCodec",
-                "the codes kvlab.cache.codecs.IntCodec stores (u, before its int8 offset of 128)",
+                "the codes kvlab.cache.codec.codecs.IntCodec stores (u, before its int8 offset of 128)",
                 "On this tensor every group's min and max are exact: codes = round((x - min) / scale).",
             )
     x = torch.randn(2, 40, 8)
@@ -351,7 +351,7 @@ def check_quantized_bytes(
 ) -> None:
     """``fn(shape, codec, group_size, group_dim)`` -> bytes the stored form of a tensor of ``shape`` takes.
 
-    Exactly ``kvlab.cache.codecs.get_codec(codec).stored_bytes(shape, group_dim, group_size)``: the payload (fp8
+    Exactly ``kvlab.cache.codec.codecs.get_codec(codec).stored_bytes(shape, group_dim, group_size)``: the payload (fp8
     and int8 one byte per element; int4 two codes per byte, packed along the last dim, so an odd last dim wastes
     half a byte per row), plus fp16 statistics per group of ``group_size`` along ``group_dim`` (fp8 a scale, int8
     and int4 a scale and a zero point), a ragged last group costing a whole group's.

@@ -299,7 +299,7 @@ def _float_operand(name: str, x: torch.Tensor, key_major: bool, pooled: bool) ->
 
 
 def _encoded_operand(name: str, enc: Any, pooled: bool) -> _Operand:
-    """A codec's ``Encoded`` over ``[*lead, slots, dim]`` (``kvlab.cache.codecs``), grouped along slots or dim."""
+    """A codec's ``Encoded`` over ``[*lead, slots, dim]`` (``kvlab.cache.codec.codecs``), grouped along slots or dim."""
     codes = enc.payload
     codec = {torch.float8_e4m3fn: "fp8", torch.int8: "int8", torch.uint8: "int4"}.get(codes.dtype, "float")
     _require(f"{name}.payload", codes, 3 if pooled else 4, None)
@@ -471,7 +471,7 @@ def quantized_decode(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Grouped decode attention over fp8 / int8 / int4 codes, dequantized in registers.
 
-    ``keys``, ``values``: ``kvlab.cache.codecs.Encoded`` over ``[B, Hkv, S, D]`` (a slab) or, with a ``table``,
+    ``keys``, ``values``: ``kvlab.cache.codec.codecs.Encoded`` over ``[B, Hkv, S, D]`` (a slab) or, with a ``table``,
     ``[Hkv, n_blocks * block_size, D]`` (a pool): token-major codes (int4 packed to ``ceil(D / 2)`` bytes),
     ``scale`` (and ``zero``) grouped along channels (``EncodedStore``, KIVI's values) or along tokens (KIVI's
     per-channel keys, a slab only). ``q``, ``lengths``, ``table`` and the rest as for ``paged_decode`` (with a
@@ -505,7 +505,7 @@ def decode(
     n_splits: int | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Decode attention over a cache's own stores (``kvlab.cache.stores``), picking the kernel their codec needs.
+    """Decode attention over a cache's own stores (``kvlab.cache.codec.stores``), picking the kernel their codec needs.
 
     ``keys``, ``values``: stores with lead ``(B, Hkv)`` (a slab) or, with ``table`` and ``block_size``, ``(Hkv,)``
     (a pool). ``q``: ``[B, Hkv, G, D]``, scaled; ``lengths``: int ``[B]``. ``n_splits=None`` picks split-K from

@@ -3,7 +3,7 @@
 Layout, per layer (``B`` batch, ``Hkv`` KV heads, ``S`` tokens stored, ``D`` head dim):
 
 - the *quantized* part holds the oldest ``Q`` tokens, a multiple of ``group_size`` (G), encoded by a codec
-  from ``kvlab.cache.codecs`` as ``[B, Hkv, Q, D]``. Keys are grouped per channel (G consecutive tokens share
+  from ``kvlab.cache.codec.codecs`` as ``[B, Hkv, Q, D]``. Keys are grouped per channel (G consecutive tokens share
   each channel's scale, KIVI's answer to outlier channels) or, with ``key_quant="per-token"``, per token (G
   consecutive channels share a scale). Values are always grouped per token.
 - the *residual* holds the newest ``S - Q`` tokens as they arrived (the shape's dtype), in a ring of
@@ -19,7 +19,7 @@ longest it has been since the last reset. Without (``m = 0``) it refuses to roll
 
 KIVI is a codec *layout* tied to append-only storage: its key groups span ``G`` consecutive tokens, so a token
 cannot be encoded alone, nor overwritten or evicted without re-encoding its group. That is why it is a storage of
-its own rather than a codec of ``kvlab.cache.stores`` (whose encoded stores encode each slot alone, so any storage
+its own rather than a codec of ``kvlab.cache.codec.stores`` (whose encoded stores encode each slot alone, so any storage
 or policy can take them): it composes with no window, eviction or paging policy, and refuses a sliding window.
 
 Three attention paths, chosen by ``attention``:
@@ -48,8 +48,8 @@ from types import ModuleType
 import torch
 
 from kvlab.cache.base import CacheShape, Rotate, SlabKVCache, refuse_latent, refuse_window
-from kvlab.cache.codecs import Codec, Encoded, IntCodec, get_codec
-from kvlab.cache.stores import fused_kernels
+from kvlab.cache.codec.codecs import Codec, Encoded, IntCodec, get_codec
+from kvlab.cache.codec.stores import fused_kernels
 from kvlab.kernels.reference import (
     attend_slab,
     decode_attention,
@@ -67,7 +67,7 @@ _TOKEN_DIM, _CHANNEL_DIM = 2, 3  # dims of a [B, Hkv, S, D] store
 class QuantizedKVCache(SlabKVCache):
     """KIVI-style quantized K/V (see the module docstring) behind the ``KVCache`` interface.
 
-    ``codec``: a name from ``kvlab.cache.codecs.CODECS`` (or a ``Codec``). ``group_size``: G, tokens per key
+    ``codec``: a name from ``kvlab.cache.codec.codecs.CODECS`` (or a ``Codec``). ``group_size``: G, tokens per key
     group (per-channel keys) and channels per value group. ``residual``: R, the newest tokens kept as they arrive
     (the shape's dtype). ``chunk_size``: tokens per chunk the chunked path dequantizes at a time (a multiple of G,
     so a chunk owns whole key groups). ``rollback``: how many newest tokens ``truncate`` may forget (module

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from kvlab.cache.base import CacheShape, Rotate
-from kvlab.cache.policies import FixedSlotsKVCache
+from kvlab.cache.policy.slots import FixedSlotsKVCache
 from kvlab.kernels.reference import attention_with_probs, window_mask
 from kvlab.spec.validation import require_int
 

@@ -3,7 +3,7 @@
 ``window=W, sinks=S`` keeps the first S tokens and the W most recent ones (the newest included), so a decode step
 reads at most S + W tokens per layer however long the sequence grows. Slots ``0 .. S-1`` hold the sinks; slots
 ``S .. S+W-1`` are a ring: token ``p >= S`` lives in slot ``S + (p - S) % W``, so each new token overwrites the one
-that has just left the window, in place. The slots are stores (``kvlab.cache.stores``), so ``codec="int8"`` keeps
+that has just left the window, in place. The slots are stores (``kvlab.cache.codec.stores``), so ``codec="int8"`` keeps
 the same window in a quarter of the bytes.
 
 Positions. Keys are stored roped at their original (absolute) positions, which is what ``reserve`` hands the
@@ -28,8 +28,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kvlab.cache.base import CacheShape, Rotate
-from kvlab.cache.policies import FixedSlotsKVCache
-from kvlab.cache.stores import attend_stores
+from kvlab.cache.codec.stores import attend_stores
+from kvlab.cache.policy.slots import FixedSlotsKVCache
 from kvlab.kernels.reference import attention_with_probs, window_mask
 from kvlab.spec.validation import require_int
 

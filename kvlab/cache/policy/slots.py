@@ -2,7 +2,7 @@
 
 A policy decides which tokens stay; this module holds the storage that does not depend on the decision. Per layer
 there is one store of a fixed number of slots for keys (key-major when float) and one for values, made by
-``kvlab.cache.stores.make_store``, so any codec (fp32 ... int4) composes with any policy and this module never
+``kvlab.cache.codec.stores.make_store``, so any codec (fp32 ... int4) composes with any policy and this module never
 branches on it. A decode step writes its token in place, into the slot of a token the policy has just dropped, and
 attends over the slots in use: it reads what the policy keeps, never the history, and a float store hands it views
 (nothing is copied).
@@ -15,8 +15,8 @@ keeps.
 Slots are not in position order (a ring, an H2O eviction), so a policy masks by the positions its slots hold:
 its own rule, and the model layer's sliding window, which ``attend`` is handed and no policy may read past.
 
-The policies: ``WindowKVCache`` (window + sinks, per-layer windows; ``kvlab.cache.window``) and
-``HeavyHitterKVCache`` (H2O; ``kvlab.cache.heavy_hitters``).
+The policies: ``WindowKVCache`` (window + sinks, per-layer windows; ``kvlab.cache.policy.window``) and
+``HeavyHitterKVCache`` (H2O; ``kvlab.cache.policy.heavy_hitters``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from kvlab.cache.base import CacheCapacityError, CacheShape, KVCache, kv_codec, refuse_latent
-from kvlab.cache.stores import Index, Store, make_store
+from kvlab.cache.codec.stores import Index, Store, make_store
 from kvlab.spec.validation import require_int
 
 

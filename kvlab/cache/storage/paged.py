@@ -4,7 +4,7 @@ Paging lets a server hold many sequences without reserving ``max_seq_len`` slots
 sequences and chat turns share the blocks of a common prefix (lesson 05), and lets a step read a prefix the
 batch shares once (cascade attention, ``cascade=True``).
 
-Layout: per layer, one key store and one value store (``kvlab.cache.stores``) with lead ``(Hkv,)`` and
+Layout: per layer, one key store and one value store (``kvlab.cache.codec.stores``) with lead ``(Hkv,)`` and
 ``n_blocks x block_size`` slots; block ``b`` is slots ``b * block_size ..``. A block holds whatever the codec
 stores (fp32 values, or int8 codes with their scales), so paging composes with every codec. Float keys are
 key-major, ``[Hkv, D, n_blocks, block_size]`` as a tensor, as in the contiguous cache, so ``q @ K`` streams runs of
@@ -69,8 +69,8 @@ from collections.abc import Sequence
 import torch
 
 from kvlab.cache.base import CacheCapacityError, CacheShape, KVCache, Rotate, kv_codec, refuse_latent
-from kvlab.cache.block_pool import HOLE, BlockPool, int_tuple, shared_prefix_blocks
-from kvlab.cache.stores import fused_kernels, make_store
+from kvlab.cache.codec.stores import fused_kernels, make_store
+from kvlab.cache.storage.block_pool import HOLE, BlockPool, int_tuple, shared_prefix_blocks
 from kvlab.kernels.reference import (
     MAX_SCORES,
     attend_slab,

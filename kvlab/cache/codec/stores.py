@@ -8,7 +8,7 @@ composes with any codec.
 
 - ``FloatStore`` (fp32, fp16, bf16): the tensor as it is. Keys can be kept key-major, ``[*lead, dim, slots]``,
   so decode's ``q @ K`` streams contiguous runs of tokens (``kvlab.kernels.reference``); reads are views.
-- ``EncodedStore`` (fp8, int8, int4): each slot encoded on its own (``kvlab.cache.codecs``), ``group_size``
+- ``EncodedStore`` (fp8, int8, int4): each slot encoded on its own (``kvlab.cache.codec.codecs``), ``group_size``
   channels sharing a scale, so a slot can be overwritten in place (a window's ring, an H2O eviction, a block)
   without touching its neighbours. Token-major, since int4 packs two channels per byte. Reads decode into fp32.
 
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from kvlab.cache.base import FLOAT_DTYPES
-from kvlab.cache.codecs import Encoded, get_codec
+from kvlab.cache.codec.codecs import Encoded, get_codec
 from kvlab.kernels.reference import attend_slab, online_softmax_attention
 from kvlab.spec.dtypes import to_torch
 

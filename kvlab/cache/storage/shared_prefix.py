@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from kvlab.cache.base import CacheShape, KVCache, Rotate
-from kvlab.cache.contiguous import ContiguousKVCache
+from kvlab.cache.storage.slab import ContiguousKVCache
 from kvlab.kernels.reference import attend_slab, cascade_decode_attention
 from kvlab.spec.validation import require_int
 

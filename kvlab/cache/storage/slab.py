@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvlab.cache.base import CacheShape, Rotate, SlabKVCache, kv_codec, refuse_latent
-from kvlab.cache.stores import attend_stores, make_store
+from kvlab.cache.codec.stores import attend_stores, make_store
 from kvlab.spec.validation import require_int
 
 
@@ -15,7 +15,7 @@ class ContiguousKVCache(SlabKVCache):
     Keys are stored key-major, ``[B, Hkv, D, capacity]``, so decode's ``q @ K`` streams contiguous runs of tokens;
     values are token-major, ``[B, Hkv, capacity, D]``, the layout ``p @ V`` streams best. ``codec`` (default: the
     dtype K/V arrive in) is any of ``kvlab.spec.dtypes.KV_DTYPES``; fp8/int8/int4 store each token's K and V encoded,
-    ``group_size`` channels per scale (``kvlab.cache.stores``). A layer's sliding window is applied as it reads.
+    ``group_size`` channels per scale (``kvlab.cache.codec.stores``). A layer's sliding window is applied as it reads.
     """
 
     prefill_is_stepwise = True  # every token kept, each encoded on its own
