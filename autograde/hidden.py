@@ -28,7 +28,7 @@ from kvlab.course import (
     lesson11_capstone_incident,
 )
 from kvlab.engine import Engine, Request, RequestResult, RunReport, SimulatedClock
-from kvlab.model import Decoder
+from kvlab.model.decoder import Decoder
 from kvlab.roofline.bytes import kv_bytes_per_token, weight_bytes
 from kvlab.spec.config import MLAConfig, ModelConfig, MoEConfig
 from kvlab.spec.presets import get_model

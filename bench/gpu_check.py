@@ -188,7 +188,7 @@ def parity(check: Check) -> dict:
     try:
         import transformers
 
-        from kvlab.hf import to_hf
+        from kvlab.model.hf import to_hf
     except ImportError as e:
         raise NotApplicable(f"transformers is not installed ({e})") from e
     cfg = get_model("cpu-tiny").replace(n_layers=2, dtype=check.args.dtype)

@@ -26,7 +26,7 @@ import kvlab
 from kvlab.bench import percentile
 from kvlab.engine import Engine, Request, RunReport, SimulatedClock
 from kvlab.machine.timing import machine_info, measure_bandwidth, measure_matmul_flops
-from kvlab.model import Decoder
+from kvlab.model.decoder import Decoder
 
 
 def trace(n: int, prompt_len: int, new_tokens: int, rate: float, vocab: int, seed: int) -> list[Request]:

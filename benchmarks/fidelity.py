@@ -45,7 +45,7 @@ def compare_with_transformers(model: Decoder, context: int, steps: int) -> dict[
     # transformers 5.x renames past_key_values; the old name still works and is what 4.x understands.
     warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
 
-    from kvlab.hf import to_hf
+    from kvlab.model.hf import to_hf
 
     hf = to_hf(model)
     prompt = torch.randint(0, model.cfg.vocab_size, (1, context - 1), generator=torch.Generator().manual_seed(0))

@@ -16,7 +16,7 @@ import time
 import torch
 
 from kvlab.incident import INCIDENT, PUBLIC_SEEDS, Fix
-from kvlab.pretrained import load_pretrained
+from kvlab.model.pretrained import load_pretrained
 
 FIXES = (
     Fix(),

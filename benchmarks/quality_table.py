@@ -25,7 +25,7 @@ from kvlab.cache.codec.kivi import QuantizedKVCache
 from kvlab.cache.policy.heavy_hitters import HeavyHitterKVCache
 from kvlab.cache.policy.window import WindowKVCache
 from kvlab.machine.timing import Stopwatch
-from kvlab.pretrained import bos_token, heldout_tokens, list_pretrained, load_pretrained
+from kvlab.model.pretrained import bos_token, heldout_tokens, list_pretrained, load_pretrained
 from kvlab.quality import CHANCE, needle_recall, perplexity
 
 WINDOWS = (64, 128, 256)

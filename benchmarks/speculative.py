@@ -30,7 +30,7 @@ import statistics
 import torch
 
 from kvlab.machine.timing import machine_info, time_interleaved
-from kvlab.pretrained import bos_token, heldout_tokens, list_pretrained, load_pretrained
+from kvlab.model.pretrained import bos_token, heldout_tokens, list_pretrained, load_pretrained
 from kvlab.roofline.bytes import predict, predict_speculative
 from kvlab.speculative import PROMPT_LOOKUP, inflate_mlp, speculative_generate, time_verify_steps
 

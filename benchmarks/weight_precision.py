@@ -28,10 +28,10 @@ import torch
 
 from kvlab import Decoder, get_model
 from kvlab.machine.timing import CLOCKS, bandwidth_buffer_mb, load_average, machine_info, time_interleaved
-from kvlab.pretrained import bos_token, heldout_tokens, list_pretrained, load_pretrained
+from kvlab.model.pretrained import bos_token, heldout_tokens, list_pretrained, load_pretrained
+from kvlab.model.weights import WEIGHT_DTYPES, native_half
 from kvlab.quality import CHANCE, needle_recall, perplexity
 from kvlab.roofline.bytes import kv_bytes_per_step, weight_bytes_read
-from kvlab.weights import WEIGHT_DTYPES, native_half
 
 
 def in_precision(cfg, state: dict, dtype: str) -> Decoder:

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from kvlab import Decoder, get_model
 from kvlab.breakdown import layer_weights
 from kvlab.machine.timing import CLOCKS, bandwidth_buffer_mb, load_average, machine_info, time_interleaved
+from kvlab.model.weights import WeightFormat
 from kvlab.roofline.bytes import weight_bytes_read
-from kvlab.weights import WeightFormat
 
 # llama.cpp 0c1e570 on cpu-small converted to GGUF F32, zero-context step, 2-core AMD EPYC Zen 3
 # (docs/cpu_performance.md, section A): ms at one and two threads.

@@ -12,20 +12,20 @@ import importlib
 _EXPORTS: dict[str, str] = {
     "CacheCapacityError": "kvlab.cache.base",
     "ContiguousKVCache": "kvlab.cache.storage.slab",
-    "Decoder": "kvlab.model",
+    "Decoder": "kvlab.model.decoder",
     "KVCache": "kvlab.cache.base",
     "MLAConfig": "kvlab.spec.config",
     "ModelConfig": "kvlab.spec.config",
     "default_device": "kvlab.machine.device",
-    "from_hf": "kvlab.hf",
+    "from_hf": "kvlab.model.hf",
     "get_gpu": "kvlab.spec.presets",
     "get_model": "kvlab.spec.presets",
     "gpu_presets": "kvlab.spec.presets",
-    "list_pretrained": "kvlab.pretrained",
-    "load_pretrained": "kvlab.pretrained",
+    "list_pretrained": "kvlab.model.pretrained",
+    "load_pretrained": "kvlab.model.pretrained",
     "model_presets": "kvlab.spec.presets",
-    "save_hf": "kvlab.hf",
-    "to_hf": "kvlab.hf",
+    "save_hf": "kvlab.model.hf",
+    "to_hf": "kvlab.model.hf",
 }
 
 __all__ = sorted(_EXPORTS)

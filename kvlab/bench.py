@@ -25,7 +25,7 @@ import torch
 from kvlab.cache.base import CacheFactory, KVCache, default_cache
 from kvlab.machine.timing import Bandwidth, Stopwatch, machine_info, measure_bandwidth
 from kvlab.metrics import PERCENTILES, latency_summaries, percentile, summarize  # noqa: F401 (re-exported)
-from kvlab.model import Decoder
+from kvlab.model.decoder import Decoder
 from kvlab.roofline.bytes import predict_tpot_ms, weight_bytes_read
 
 K = TypeVar("K", bound=Hashable)  # the key naming an arm of an interleaved sweep

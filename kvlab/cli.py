@@ -419,7 +419,7 @@ def measure_sweep(
     import torch
 
     from kvlab.bench import sweep_context
-    from kvlab.model import Decoder
+    from kvlab.model.decoder import Decoder
 
     cfg = _usage(get_model, preset, "--preset")
     if not cfg.runnable:

@@ -34,7 +34,7 @@ from kvlab.kernels.reference import attention_with_probs, window_mask
 from kvlab.spec.validation import require_int
 
 if TYPE_CHECKING:
-    from kvlab.model import Decoder
+    from kvlab.model.decoder import Decoder
 
 
 class StaticKVCache(KVCache):

@@ -59,7 +59,8 @@ from kvlab.bench import RequestTiming, latency_summaries
 from kvlab.cache.storage.block_pool import int_tuple
 from kvlab.cache.storage.paged import PagedKVCache
 from kvlab.machine.timing import Stopwatch
-from kvlab.model import Decoder
+from kvlab.model.decoder import Decoder
+from kvlab.model.sampling import SamplingParams, TokenLogprobs, choose
 from kvlab.roofline.bytes import (
     active_params,
     decode_attention_flops,
@@ -67,7 +68,6 @@ from kvlab.roofline.bytes import (
     kv_bytes_per_token,
     weight_bytes_read,
 )
-from kvlab.sampling import SamplingParams, TokenLogprobs, choose
 from kvlab.spec.config import ModelConfig
 from kvlab.spec.presets import GPU, get_gpu
 from kvlab.spec.validation import require_int
@@ -102,7 +102,7 @@ class Request:
         if not 0 <= self.arrival_s < math.inf:
             raise ValueError(f"arrival_s: {self.arrival_s!r}; allowed: a finite number of seconds >= 0")
         if self.sampling is not None and not isinstance(self.sampling, SamplingParams):
-            raise ValueError(f"sampling: {self.sampling!r}; allowed: None or a kvlab.sampling.SamplingParams")
+            raise ValueError(f"sampling: {self.sampling!r}; allowed: None or a kvlab.model.sampling.SamplingParams")
         object.__setattr__(self, "prompt_ids", int_tuple(ids))
 
 

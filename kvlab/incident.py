@@ -37,8 +37,9 @@ from kvlab.cache.base import KVCache
 from kvlab.cache.policy.window import WindowKVCache
 from kvlab.disk_memo import remembered
 from kvlab.engine import Clock, Engine, Request, RunReport, SimulatedClock
-from kvlab.model import Decoder
-from kvlab.pretrained import heldout_tokens, load_pretrained
+from kvlab.model.decoder import Decoder
+from kvlab.model.pretrained import heldout_tokens, load_pretrained
+from kvlab.model.tokenizer import ASK, N_PASSKEYS, PASSKEY_BASE, VOCAB_SIZE
 from kvlab.quality import default_cache, perplexity
 from kvlab.roofline.bytes import kv_bytes_per_token, weight_bytes
 from kvlab.session import turns_to_drop
@@ -46,7 +47,6 @@ from kvlab.spec.config import ModelConfig
 from kvlab.spec.dtypes import KV_DTYPES, canonical_dtype
 from kvlab.spec.presets import GPU, get_gpu, get_model
 from kvlab.spec.validation import require_int
-from kvlab.tokenizer import ASK, N_PASSKEYS, PASSKEY_BASE, VOCAB_SIZE
 
 SCALE = 80  # at-scale tokens per checkpoint token: a 40k-token chat becomes 500, within the checkpoint's trained 512
 # Tokens per block: the checkpoint's pool uses vLLM's default; at scale, blocks of 64 (as TensorRT-LLM's can be)

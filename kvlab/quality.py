@@ -10,7 +10,7 @@ the stream will reach. The default, ``kvlab.cache.base.default_cache``, is the m
 every token.
 
 ``bos``: a model trained with a beginning-of-text token in front of every sequence (``pretrained_info(name)
-["training"]["bos"]``) should meet one in front of every segment and prompt too; pass its id (``kvlab.tokenizer.EOT``)
+["training"]["bos"]``) should meet one in front of every segment and prompt too; pass its id (``kvlab.model.tokenizer.EOT``)
 and each starts with it, unscored. ``attention_sink_share`` measures whether such a token became an attention sink.
 """
 
@@ -27,10 +27,10 @@ from tqdm.auto import tqdm
 
 from kvlab.cache.base import CacheFactory, KVCache, default_cache
 from kvlab.cache.policy.heavy_hitters import HeavyHitterKVCache
-from kvlab.model import Decoder
-from kvlab.pretrained import heldout_tokens
+from kvlab.model.decoder import Decoder
+from kvlab.model.pretrained import heldout_tokens
+from kvlab.model.tokenizer import ASK, N_PASSKEYS, PASSKEY_BASE, VOCAB_SIZE
 from kvlab.spec.validation import require_fraction, require_int
-from kvlab.tokenizer import ASK, N_PASSKEYS, PASSKEY_BASE, VOCAB_SIZE
 
 # The needle is one passkey token planted in the text, the query is ``<|ask|>``, and the answer is that same
 # passkey: recall succeeds only if the passkey's key and value survive in the cache until the question comes.
@@ -199,7 +199,7 @@ def needle_recall(
     if model.cfg.vocab_size < VOCAB_SIZE:
         raise ValueError(
             f"model: vocab_size {model.cfg.vocab_size} has no passkey or <|ask|> tokens; allowed: a model with "
-            f"vocab_size >= {VOCAB_SIZE} (kvlab.tokenizer), such as load_pretrained('kvlab-tiny-stdlib')"
+            f"vocab_size >= {VOCAB_SIZE} (kvlab.model.tokenizer), such as load_pretrained('kvlab-tiny-stdlib')"
         )
     for c in contexts:
         require_int("contexts", c, max(3 + (bos is not None), prefill_tokens + 1))

@@ -31,7 +31,7 @@ Any other field is refused with a 400 naming it, unless it holds the value that 
 ``response_format: {"type": "text"}``, penalties of 0, ``repetition_penalty: 1``, ``logprobs: null``, ...): a
 client never gets a 200 for something it asked for and did not get.
 
-Text is the byte-level kvlab tokenizer (``kvlab.tokenizer``); a shipped checkpoint trained with a beginning-of-text
+Text is the byte-level kvlab tokenizer (``kvlab.model.tokenizer``); a shipped checkpoint trained with a beginning-of-text
 token gets it before every text prompt (and ``usage`` counts it), while a list of ids is served as given. A model whose
 vocabulary reaches past the tokenizer's (a preset's or a Hugging Face checkpoint's) may emit ids the tokenizer has no
 text for: each is written ``<|id:N|>``, and a text prompt reads ``<|id:N|>`` back as id ``N``, so output text fed back
@@ -75,9 +75,9 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from kvlab.engine import Engine, OnToken, Request
-from kvlab.model import Decoder
-from kvlab.sampling import SamplingParams, TokenLogprobs
-from kvlab.tokenizer import EOT, VOCAB_SIZE, decode, encode
+from kvlab.model.decoder import Decoder
+from kvlab.model.sampling import SamplingParams, TokenLogprobs
+from kvlab.model.tokenizer import EOT, VOCAB_SIZE, decode, encode
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs (vLLM's default max_logprobs too)
@@ -91,7 +91,7 @@ _SHOW.maxstring, _SHOW.maxlist, _SHOW.maxdict, _SHOW.maxother = 80, 8, 8, 80
 
 # -- text <-> ids -------------------------------------------------------------------------------------------------
 def encode_text(text: str) -> list[int]:
-    """``kvlab.tokenizer.encode``, with each ``<|id:N|>`` read as the id ``N`` (what ``TextStream`` writes).
+    """``kvlab.model.tokenizer.encode``, with each ``<|id:N|>`` read as the id ``N`` (what ``TextStream`` writes).
     Raises ``UnicodeEncodeError`` for a lone surrogate (text that has no UTF-8 bytes)."""
     ids: list[int] = []
     last = 0
@@ -117,7 +117,7 @@ def token_bytes(token: int) -> list[int]:
 
 class TextStream:
     """Ids to text one at a time: bytes through an incremental UTF-8 decoder, so a character split over tokens is
-    written whole once complete; special tokens as ``kvlab.tokenizer.decode`` writes them; others ``<|id:N|>``."""
+    written whole once complete; special tokens as ``kvlab.model.tokenizer.decode`` writes them; others ``<|id:N|>``."""
 
     def __init__(self) -> None:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -795,13 +795,13 @@ def load_model(spec: str, device: str | None = None) -> tuple[Decoder, str, int 
     Returns the model, the name it is served as, the token to put before every text prompt (or None), and the token
     that ends a text (a shipped checkpoint's ``<|endoftext|>``; None for the others: their ids are not the kvlab
     tokenizer's, so no id of theirs is known to end a text)."""
-    from kvlab.pretrained import bos_token, list_pretrained, load_pretrained
+    from kvlab.model.pretrained import bos_token, list_pretrained, load_pretrained
     from kvlab.spec.presets import get_model
 
     if spec in list_pretrained():
         return load_pretrained(spec, device), spec, bos_token(spec), EOT
     if Path(spec).is_dir():
-        from kvlab.hf import from_hf
+        from kvlab.model.hf import from_hf
 
         return from_hf(spec, device), Path(spec).resolve().name, None, None
     cfg = get_model(spec, "model")

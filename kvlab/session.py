@@ -25,7 +25,7 @@ import torch
 
 from kvlab.cache.base import CacheFactory, KVCache
 from kvlab.machine.timing import time_call
-from kvlab.model import Decoder
+from kvlab.model.decoder import Decoder
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ import torch
 
 from kvlab.cache.base import ROLLBACK_CACHES, CacheFactory, CacheRollbackError, KVCache, default_cache
 from kvlab.machine.timing import time_interleaved
-from kvlab.model import Decoder
+from kvlab.model.decoder import Decoder
 from kvlab.spec.validation import require_int
 
 PROMPT_LOOKUP = "prompt-lookup"

@@ -49,11 +49,11 @@ from safetensors.torch import save_file
 from kvlab.cache.base import CacheFactory, default_cache
 from kvlab.cache.policy.window import POSITIONS, WindowKVCache
 from kvlab.machine.timing import Stopwatch, machine_info
-from kvlab.model import Decoder
-from kvlab.pretrained import HELDOUT_FILE, heldout_tokens
+from kvlab.model.decoder import Decoder
+from kvlab.model.pretrained import HELDOUT_FILE, heldout_tokens
+from kvlab.model.tokenizer import ASK, EOT, EOT_TEXT, N_PASSKEYS, VOCAB_SIZE, is_passkey, passkey
 from kvlab.quality import CHANCE, attention_sink_share, needle_recall, perplexity, uniform_first_token_share
 from kvlab.spec.config import ModelConfig
-from kvlab.tokenizer import ASK, EOT, EOT_TEXT, N_PASSKEYS, VOCAB_SIZE, is_passkey, passkey
 
 # The sink study (``sink_study``): past the trained length, where a window without sinks is all a model keeps.
 SINK_CONTEXT, SINK_SEGMENTS, SINK_WINDOW, SINKS = 1024, 8, 64, 4

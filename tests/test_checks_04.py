@@ -13,7 +13,7 @@ from kvlab import checks, get_model, roofline
 from kvlab.bench import fit_line, percentile
 from kvlab.course import lesson04_batching
 from kvlab.engine import Engine, Request, RequestResult, RunReport
-from kvlab.model import Decoder
+from kvlab.model.decoder import Decoder
 from tests.helpers import assert_fails, assert_silent
 
 

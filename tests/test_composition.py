@@ -26,7 +26,7 @@ from kvlab.cache import (
     SharedPrefixKVCache,
     WindowKVCache,
 )
-from kvlab.model import Decoder
+from kvlab.model.decoder import Decoder
 from kvlab.spec.config import MLAConfig, ModelConfig
 from kvlab.spec.dtypes import KV_DTYPES
 

@@ -195,7 +195,7 @@ def test_the_package_loads_its_public_names_on_first_use():
     code = (
         "import sys, kvlab; assert 'torch' not in sys.modules; "
         "from kvlab import ModelConfig, get_model; assert 'torch' not in sys.modules; "
-        "from kvlab import Decoder; assert 'torch' in sys.modules and Decoder.__module__ == 'kvlab.model'; "
+        "from kvlab import Decoder; assert 'torch' in sys.modules and Decoder.__module__ == 'kvlab.model.decoder'; "
         "assert all(getattr(kvlab, name) is not None for name in kvlab.__all__)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -65,7 +65,7 @@ def test_an_incident_replay_read_back_is_the_replay(monkeypatch, tmp_path, kind)
         run = lambda: small.at_scale(fix, 0)  # noqa: E731
         memo = incident._at_scale
     else:
-        from kvlab.pretrained import load_pretrained
+        from kvlab.model.pretrained import load_pretrained
 
         tiny = load_pretrained(small.checkpoint, device="cpu")
         run = lambda: small.quality(fix, 0, tiny)  # noqa: E731

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvlab.engine import Engine, Request
-from kvlab.model import Decoder
-from kvlab.sampling import SamplingParams
+from kvlab.model.decoder import Decoder
+from kvlab.model.sampling import SamplingParams
 
 from .helpers import sharp_random_model, tiny_config
 from .test_speculative import ALPHA, chi_square_p_value

@@ -26,12 +26,12 @@ from kvlab.incident import (
     replay,
     with_passkeys,
 )
-from kvlab.model import Decoder
-from kvlab.pretrained import load_pretrained
+from kvlab.model.decoder import Decoder
+from kvlab.model.pretrained import load_pretrained
+from kvlab.model.tokenizer import ASK, PASSKEY_BASE
 from kvlab.roofline.bytes import kv_bytes_per_token, weight_bytes
 from kvlab.session import turns_to_drop
 from kvlab.spec.presets import get_gpu, get_model
-from kvlab.tokenizer import ASK, PASSKEY_BASE
 from tests.helpers import sharp_random_model
 
 SHAPE = TraceShape(4, 3, 32, (20, 40), (3, 6), (0.0, 0.01), 100.0)

@@ -1,12 +1,12 @@
 """RMSNorm and RoPE against their textbook formulas: the model computes both in fewer ops than the formulas are
-written in (kvlab.layers), and these tests hold the fewer ops to the same numbers."""
+written in (kvlab.model.layers), and these tests hold the fewer ops to the same numbers."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from kvlab.layers import RMSNorm, RotaryEmbedding, apply_rope
+from kvlab.model.layers import RMSNorm, RotaryEmbedding, apply_rope
 
 # fp32 paths that sum or round in another order (a norm through vector_norm against pow+mean; an addcmul's fused
 # multiply-add against a multiply then an add) part by a few ulps of values near 1.

@@ -9,7 +9,7 @@ from kvlab import CacheCapacityError, Decoder, MLAConfig, ModelConfig, get_model
 from kvlab.cache.base import CacheShape, KVCache
 from kvlab.cache.codec.codecs import get_codec
 from kvlab.cache.storage.latent import LatentKVCache
-from kvlab.mla import MLAAttention, set_absorb
+from kvlab.model.mla import MLAAttention, set_absorb
 from kvlab.roofline.bytes import kv_bytes_per_step, kv_bytes_per_token, param_count
 
 from .helpers import assert_greedy_picks, tiny_config

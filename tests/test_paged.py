@@ -12,7 +12,7 @@ from kvlab.cache.storage.block_pool import BlockPool, PoolExhaustedError, shared
 from kvlab.cache.storage.paged import PagedKVCache
 from kvlab.cache.storage.slab import ContiguousKVCache
 from kvlab.kernels.reference import cascade_decode_attention, decode_attention
-from kvlab.model import Decoder
+from kvlab.model.decoder import Decoder
 
 from .helpers import tiny_config
 

@@ -8,11 +8,11 @@ import inspect
 import pytest
 import torch
 
-import kvlab.model
+import kvlab.model.decoder
 from kvlab.cache.base import CacheCapacityError, CacheShape
 from kvlab.cache.storage.paged import PagedKVCache
 from kvlab.cache.storage.slab import ContiguousKVCache
-from kvlab.model import Decoder
+from kvlab.model.decoder import Decoder
 
 from .helpers import tiny_config
 
@@ -26,7 +26,7 @@ KERNEL_TOL = dict(rtol=1e-5, atol=1e-5)
 LAYOUT_TOL = dict(rtol=1e-5, atol=1e-6)
 SHAPE = CacheShape(n_layers=2, n_kv_heads=2, head_dim=16)
 LENGTHS = (9, 5, 14)  # with blocks of 4: a partial block, a partial one, and a partial one two blocks further
-RAGGED_DECODER = "ragged" in inspect.getsource(kvlab.model.Decoder._run)
+RAGGED_DECODER = "ragged" in inspect.getsource(kvlab.model.decoder.Decoder._run)
 
 
 def kv(gen: torch.Generator, n: int, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,7 +244,7 @@ def test_begin_fork_and_feed_tokens_keep_pool_sequences_outside_the_batch() -> N
 # -- the model -------------------------------------------------------------------------------------------------------
 @pytest.mark.skipif(
     not RAGGED_DECODER,
-    reason="kvlab.model.Decoder._run does not yet rope a ragged batch at per-sequence positions (a tensor reserve)",
+    reason="kvlab.model.decoder.Decoder._run does not yet rope a ragged batch at per-sequence positions (a tensor reserve)",
 )
 @pytest.mark.parametrize("layer_windows", [None, (5, None)], ids=["global", "local"])
 def test_ragged_model_decode_equals_each_sequence_alone(layer_windows: tuple | None) -> None:

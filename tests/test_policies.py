@@ -16,7 +16,7 @@ from kvlab import CacheCapacityError, ContiguousKVCache, Decoder, MLAConfig, Mod
 from kvlab.cache.base import CacheShape
 from kvlab.cache.policy.heavy_hitters import HeavyHitterKVCache
 from kvlab.cache.policy.window import WindowKVCache
-from kvlab.layers import apply_rope
+from kvlab.model.layers import apply_rope
 
 CFG = ModelConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=97, max_seq_len=256)
 # The same model with a sliding window of 4 on layer 0 (Gemma-2's local/global pattern).

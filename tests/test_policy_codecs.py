@@ -13,12 +13,12 @@ import torch
 from torch.testing import assert_close
 
 from kvlab import Decoder
-from kvlab.attention import rotated
 from kvlab.cache.base import CacheShape
 from kvlab.cache.codec.codecs import get_codec
 from kvlab.cache.policy.heavy_hitters import HeavyHitterKVCache
 from kvlab.cache.policy.window import WindowKVCache
-from kvlab.layers import RotaryEmbedding
+from kvlab.model.attention import rotated
+from kvlab.model.layers import RotaryEmbedding
 from tests.helpers import tiny_config
 
 SHAPE = CacheShape(n_layers=2, n_kv_heads=2, head_dim=16)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvlab.pretrained import load_pretrained
+from kvlab.model.pretrained import load_pretrained
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "quality_table.py"
 

@@ -19,9 +19,9 @@ import uvicorn
 
 from kvlab.cli import main
 from kvlab.engine import Engine
-from kvlab.model import Decoder
+from kvlab.model.decoder import Decoder
+from kvlab.model.tokenizer import VOCAB_SIZE, encode
 from kvlab.serve import Server, TextStream, decode_text, encode_text
-from kvlab.tokenizer import VOCAB_SIZE, encode
 
 from .helpers import run_cli, tiny_config
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from kvlab.engine import Engine
-from kvlab.model import Decoder
+from kvlab.model.decoder import Decoder
+from kvlab.model.tokenizer import encode
 from kvlab.serve import Server, StopText, decode_text, token_text
-from kvlab.tokenizer import encode
 
 from .test_serve import CFG, NAME, serving, solo_text, wait_for_free_blocks
 

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvlab.engine import Engine
-from kvlab.model import Decoder
+from kvlab.model.decoder import Decoder
 from kvlab.serve import Server
 
 from .test_serve import CFG, NAME, serving, wait_for_free_blocks

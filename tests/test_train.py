@@ -11,9 +11,9 @@ import torch
 from torch.testing import assert_close
 
 from kvlab.cache.policy.window import WindowKVCache
-from kvlab.pretrained import bos_token, heldout_tokens, list_pretrained, load_pretrained, pretrained_info
+from kvlab.model.pretrained import bos_token, heldout_tokens, list_pretrained, load_pretrained, pretrained_info
+from kvlab.model.tokenizer import ASK, EOT, EOT_TEXT, N_PASSKEYS, VOCAB_SIZE, decode, encode, is_passkey, passkey
 from kvlab.quality import CHANCE, needle_recall, perplexity
-from kvlab.tokenizer import ASK, EOT, EOT_TEXT, N_PASSKEYS, VOCAB_SIZE, decode, encode, is_passkey, passkey
 from kvlab.train import (
     HELDOUT_FILES,
     TrainConfig,

@@ -1,23 +1,23 @@
-"""kvlab.weights: int8 weights through PyTorch's quantized kernel, half-precision weights, and the Decoder's
+"""kvlab.model.weights: int8 weights through PyTorch's quantized kernel, half-precision weights, and the Decoder's
 weight_dtype."""
 
 import pytest
 import torch
 from torch.testing import assert_close
 
-import kvlab.weights
+import kvlab.model.weights
 from autograde import hidden
 from kvlab import Decoder
 from kvlab.breakdown import layer_weights
 from kvlab.checks import check_int8_weight_bytes
-from kvlab.roofline.bytes import weight_bytes_read
-from kvlab.weights import (
+from kvlab.model.weights import (
     WeightFormat,
     int8_step_weight_bytes,
     int8_weight_bytes,
     projection_shapes,
     quantize_int8,
 )
+from kvlab.roofline.bytes import weight_bytes_read
 
 from .helpers import tiny_config
 
@@ -71,10 +71,10 @@ def test_decoder_int8_reads_a_quarter_of_the_bytes_and_stays_close_to_fp32():
 def test_weight_dtype_errors_and_half_precision_warning(monkeypatch):
     with pytest.raises(ValueError, match="weight_dtype.*allowed: fp32, bf16, fp16, int8"):
         Decoder(tiny_config(), device="cpu", weight_dtype="int4")
-    monkeypatch.setattr(kvlab.weights, "native_half", lambda dtype: False)
+    monkeypatch.setattr(kvlab.model.weights, "native_half", lambda dtype: False)
     with pytest.warns(RuntimeWarning, match="no native bf16 dot product"):
         Decoder(tiny_config(), device="cpu", weight_dtype="bf16")
-    monkeypatch.setattr(kvlab.weights, "native_half", lambda dtype: True)
+    monkeypatch.setattr(kvlab.model.weights, "native_half", lambda dtype: True)
     with torch.inference_mode():
         model = Decoder(tiny_config(), device="cpu", weight_dtype="fp16")
         cache = model.new_cache(1, 4)

@@ -13,7 +13,7 @@ attention reads them (the layout of the bytes decides how fast a step can stream
     cache.append(layer, k, v)                       # per layer: store the new tokens' K/V
     out = cache.attend(layer, q, window, rotate)    # per layer: the new queries over what the cache keeps
 
-The attention module (``kvlab.attention``) owns the model's rules: it scales and groups the queries, and tells
+The attention module (``kvlab.model.attention``) owns the model's rules: it scales and groups the queries, and tells
 the cache the layer's window. A cache stores, evicts, encodes and reads. Every cache reports the quantities the
 course's formula is about: ``bytes_stored()``, ``bytes_read_per_step()`` and ``bytes_written_per_step()``.
 
@@ -38,7 +38,7 @@ from kvlab.spec.validation import require_int
 if TYPE_CHECKING:
     from typing import Self
 
-    from kvlab.model import Decoder
+    from kvlab.model.decoder import Decoder
 
 FLOAT_DTYPES = ("fp32", "fp16", "bf16")
 Rotate = Callable[[torch.Tensor], torch.Tensor]  # queries turned by RoPE through a shift of positions

@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from kvlab.course.grading import _call, _close, _exact_int, _fail, _label
+from kvlab.model.weights import int8_step_weight_bytes
 from kvlab.roofline.bytes import decode_flops, predict_tpot_ms, prefill_flops, ridge_intensity, roofline_time_ms
 from kvlab.spec.config import ModelConfig
 from kvlab.spec.presets import get_model
 from kvlab.spec.published import PublishedDecode, published_decode
-from kvlab.weights import int8_step_weight_bytes
 
 __all__ = [
     "check_achieved_fraction",
@@ -135,7 +135,7 @@ def check_achieved_fraction(
 
 def check_int8_weight_bytes(fn: Callable[[ModelConfig], int], cases=None, reveal: bool = True) -> None:
     """``fn(cfg)`` -> bytes of the matrices a decode step multiplies by, stored int8 with one fp32 scale per output
-    column (``kvlab.weights``'s format): exact arithmetic, no measurement."""
+    column (``kvlab.model.weights``'s format): exact arithmetic, no measurement."""
     cases = (get_model("cpu-small"), get_model("cpu-tiny"), get_model("llama-3.1-8b")) if cases is None else cases
     for cfg in cases:
         label = f"int8_weight_bytes({_label(cfg)})"

@@ -14,7 +14,7 @@ from kvlab.bench import RequestTiming, Sweep, fit_line, percentile
 from kvlab.cache.base import CacheFactory, KVCache
 from kvlab.course.grading import _call, _close, _fail, _timed_together
 from kvlab.course.measured import Reading, reading, tell
-from kvlab.model import Decoder
+from kvlab.model.decoder import Decoder
 from kvlab.roofline.bytes import crossover_context
 from kvlab.spec.config import ModelConfig
 

@@ -14,7 +14,7 @@ from kvlab.bench import RequestTiming, fit_line, percentile
 from kvlab.course.grading import FLOOR, _call, _close, _exact_int, _exact_ints, _fail, _label
 from kvlab.course.measured import Reading, reading, tell
 from kvlab.engine import Engine, Request, RequestResult, RunReport
-from kvlab.model import Decoder
+from kvlab.model.decoder import Decoder
 from kvlab.roofline.bytes import kv_bytes_per_step, kv_bytes_per_token, weight_bytes, weight_bytes_read
 from kvlab.spec.config import ModelConfig
 from kvlab.spec.presets import get_model

@@ -2,7 +2,7 @@
 
 Queries arrive *grouped and scaled*: ``[B, Hkv, G, T, D]`` (or ``[B, Hkv, G, D]`` for one decode token), the G
 query heads that share each KV head, already multiplied by the softmax scale. The attention module owns the
-scale and the grouping (``kvlab.attention``); a kernel only reads keys and values.
+scale and the grouping (``kvlab.model.attention``); a kernel only reads keys and values.
 
 Decode (one query per sequence) is a matrix-vector product over the whole cache, so its speed is set by how the
 cache's bytes are laid out. Keys stored key-major (``[D, S]`` per head) let ``q @ K`` stream each row of D

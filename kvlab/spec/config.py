@@ -86,7 +86,7 @@ class ModelConfig:
     Fields beyond the Llama shape:
     - ``layer_windows``: one entry per layer, ``None`` for a global layer or the window in tokens for a local
       (sliding-window) layer. ``None`` for the whole tuple means every layer is global.
-    - ``mla``: the latent-attention shape, for DeepSeek-style models (runnable: see ``kvlab.mla``). Its query/key
+    - ``mla``: the latent-attention shape, for DeepSeek-style models (runnable: see ``kvlab.model.mla``). Its query/key
       head is ``qk_nope_head_dim + qk_rope_head_dim``, which ``head_dim`` defaults to and must equal.
     - ``rope_scaling``: Hugging Face's ``rope_parameters`` beyond the default, as sorted ``(key, value)`` pairs
       (``rope_type="llama3"`` is runnable; other types are kept for the record).

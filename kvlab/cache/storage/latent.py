@@ -1,6 +1,6 @@
 """MLA's cache: one latent per token and layer, ``[c_kv | k_rope]``, stored once and read as both K and V.
 
-Seen from a cache, multi-head latent attention (``kvlab.mla``) is multi-query attention with one shared head whose
+Seen from a cache, multi-head latent attention (``kvlab.model.mla``) is multi-query attention with one shared head whose
 key is the latent (``r + p`` wide) and whose value is that key's first ``r`` channels (``CacheShape.latent_values``).
 So the storage is one token-major store per layer, and ``attend`` is the same slab attention an MQA cache runs,
 with the values taken as a view of the keys.
@@ -22,7 +22,7 @@ class LatentKVCache(SlabKVCache):
     - ``append(layer, k, v)``: ``k`` ``[B, T, 1, r + p]`` is ``[c_kv | k_rope]`` (RoPE applied); ``v`` must be
       ``k[..., :r]``, the same bytes, which are stored once.
     - ``attend(layer, q)``: ``q`` ``[B, 1, H, T, r + p]``, queries folded into latent space and scaled by
-      ``kvlab.mla.MLAAttention`` -> ``[B, 1, H, T, r]``, each head's softmax-weighted sum of latents.
+      ``kvlab.model.mla.MLAAttention`` -> ``[B, 1, H, T, r]``, each head's softmax-weighted sum of latents.
     - ``read(layer)``: ``[B, 1, S, r + p]`` and ``[B, 1, S, r]``, the second a view of the first.
 
     Token-major: the one store is both K and V, so it cannot be key-major for the scores and token-major for the

@@ -1,6 +1,6 @@
 """A Llama-style decoder (RMSNorm, RoPE, SwiGLU) whose decode step is laid out to stream its bytes.
 
-The weights of every projection are stored ``[in, out]`` and applied through ``kvlab.weights.WeightFormat``: in
+The weights of every projection are stored ``[in, out]`` and applied through ``kvlab.model.weights.WeightFormat``: in
 fp32, ``x @ W``, which for the one-row activations of a decode step reads each weight row contiguously (on a
 2-core AMD EPYC as fast as summing the same tensors, where ``F.linear`` on ``[out, in]`` weights was about 0.7 of
 it: docs/cpu_performance.md); ``weight_dtype="int8"`` reads a quarter of the bytes through PyTorch's quantized
@@ -15,17 +15,17 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
-from kvlab.attention import Attention
 from kvlab.cache.base import KVCache
 from kvlab.cache.policy.window import WindowKVCache
 from kvlab.cache.storage.latent import LatentKVCache
 from kvlab.cache.storage.slab import ContiguousKVCache
-from kvlab.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from kvlab.machine.device import resolve_device
-from kvlab.mla import MLAAttention
+from kvlab.model.attention import Attention
+from kvlab.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from kvlab.model.mla import MLAAttention
+from kvlab.model.weights import WEIGHT_DTYPES, WeightFormat
 from kvlab.spec.config import ModelConfig
 from kvlab.spec.dtypes import KV_DTYPES, canonical_dtype, to_torch
-from kvlab.weights import WEIGHT_DTYPES, WeightFormat
 
 
 class Block(nn.Module):
@@ -50,8 +50,8 @@ class Decoder(nn.Module):
     - ``prefill(tokens, cache)``, ``decode_step(tokens, cache)``: logits for the new positions only.
     - ``generate(prompt, max_new_tokens)``: greedy or sampled continuation, new ids only.
 
-    ``weight_dtype`` (``kvlab.weights.WEIGHT_DTYPES``, default fp32) is the precision the projections and the LM
-    head read their weights in; the parameters themselves stay fp32 (``kvlab.weights``). With another precision,
+    ``weight_dtype`` (``kvlab.model.weights.WEIGHT_DTYPES``, default fp32) is the precision the projections and the LM
+    head read their weights in; the parameters themselves stay fp32 (``kvlab.model.weights``). With another precision,
     ``cfg`` records it in ``weight_dtypes``, so the byte model (``kvlab.roofline.bytes``) charges those bytes.
     """
 
@@ -206,7 +206,7 @@ class Decoder(nn.Module):
         ``temperature=0`` is greedy. Otherwise logits are divided by the temperature, cut to the ``top_k`` most
         likely and to the smallest set whose probability reaches ``top_p``, and sampled with ``seed``.
         """
-        from kvlab.sampling import sample_next
+        from kvlab.model.sampling import sample_next
 
         prompt = torch.as_tensor(prompt, dtype=torch.long, device=self.device)
         squeeze = prompt.dim() == 1

@@ -22,7 +22,7 @@ cache. This module scales and groups the latent queries (``[B, 1, H, T, r + p]``
 Absorption is not free: each cached token costs ``2H(2r + p)`` FLOPs instead of ``2H(n + p + v)`` over per-head
 K/V, though far less than the naive path's re-expansion (``kvlab.roofline.bytes.mla_attention_flops`` counts both paths).
 
-Weights are stored ``[in, out]`` as in ``kvlab.model``. ``W_uk`` is stored ``[H, n, r]``, the way the absorbed
+Weights are stored ``[in, out]`` as in ``kvlab.model.decoder``. ``W_uk`` is stored ``[H, n, r]``, the way the absorbed
 decode applies it (``q_nope -> latent``); the naive path reads it transposed.
 """
 
@@ -35,11 +35,11 @@ import torch.nn as nn
 
 from kvlab.cache.base import KVCache
 from kvlab.kernels.reference import causal_attention
-from kvlab.layers import RMSNorm, RotaryEmbedding, apply_rope
+from kvlab.model.layers import RMSNorm, RotaryEmbedding, apply_rope
 from kvlab.spec.config import ModelConfig
 
 if TYPE_CHECKING:
-    from kvlab.model import Decoder
+    from kvlab.model.decoder import Decoder
 
 
 class MLAAttention(nn.Module):

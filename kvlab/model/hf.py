@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from kvlab.model import Decoder
+from kvlab.model.decoder import Decoder
 from kvlab.spec.config import ModelConfig
 from kvlab.spec.dtypes import canonical_dtype
 

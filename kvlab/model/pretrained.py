@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from kvlab.machine.device import resolve_device
-from kvlab.model import Decoder
+from kvlab.model.decoder import Decoder
+from kvlab.model.tokenizer import EOT, encode
 from kvlab.spec.config import ModelConfig
-from kvlab.tokenizer import EOT, encode
 
 HELDOUT_FILE = "stdlib_heldout.txt"
 

@@ -1,7 +1,7 @@
 """The layers a Llama-style block is built from: RMSNorm, rotary position embeddings (RoPE) and SwiGLU.
 
-Weights are stored ``[in, out]`` and applied through ``kvlab.weights.WeightFormat``: ``x @ W`` in the model's weight
-precision, by the kernel that reads those bytes fastest (see ``kvlab.model``).
+Weights are stored ``[in, out]`` and applied through ``kvlab.model.weights.WeightFormat``: ``x @ W`` in the model's weight
+precision, by the kernel that reads those bytes fastest (see ``kvlab.model.decoder``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kvlab.weights import WeightFormat
+from kvlab.model.weights import WeightFormat
 
 
 class RMSNorm(nn.Module):

@@ -15,9 +15,9 @@ import torch.nn as nn
 
 from kvlab.cache.base import KVCache
 from kvlab.kernels.reference import causal_attention
-from kvlab.layers import RotaryEmbedding, apply_rope
+from kvlab.model.layers import RotaryEmbedding, apply_rope
+from kvlab.model.weights import WeightFormat
 from kvlab.spec.config import ModelConfig
-from kvlab.weights import WeightFormat
 
 
 class Attention(nn.Module):
