@@ -27,7 +27,7 @@ from kvlab.course import (
     lesson10_speculative_decoding,
     lesson11_capstone_incident,
 )
-from kvlab.engine import Engine, Request, RequestResult, RunReport, SimulatedClock
+from kvlab.engine.engine import Engine, Request, RequestResult, RunReport, SimulatedClock
 from kvlab.model.decoder import Decoder
 from kvlab.roofline.bytes import kv_bytes_per_token, weight_bytes
 from kvlab.spec.config import MLAConfig, ModelConfig, MoEConfig

@@ -13,7 +13,7 @@ Sections, each run on its own so one failure is recorded (with its traceback) an
 5. ``kernels``: one layer's decode attention over the same context through each reader side by side: torch's
    SDPA on a plain slab, the contiguous, paged, int8, int4 and fp8 caches (on CUDA these run
    ``kvlab.kernels.triton``), with the slope of time against context next to the bytes each reads.
-6. ``cuda_graphs``: the decode step eagerly and replayed as a CUDA graph (``kvlab.cuda_graphs``); the fixed cost
+6. ``cuda_graphs``: the decode step eagerly and replayed as a CUDA graph (``kvlab.engine.cuda_graphs``); the fixed cost
    each leaves is the intercept of its line. On CPU only the static cache's eager step runs.
 7. ``triton_interpreter`` (CPU only): the Triton kernel under Triton's interpreter against the torch kernel.
 
@@ -46,7 +46,7 @@ from kvlab import Decoder, get_model
 from kvlab.bench import fit_line, sweep_context
 from kvlab.cache import CacheShape, ContiguousKVCache, KVCache, PagedKVCache
 from kvlab.cache.codec.stores import fused_kernels
-from kvlab.cuda_graphs import GraphedDecodeStep, StaticKVCache
+from kvlab.engine.cuda_graphs import GraphedDecodeStep, StaticKVCache
 from kvlab.machine.timing import Bandwidth, bandwidth_buffer_mb, cpu_name, machine_info, measure_bandwidth, time_call
 from kvlab.roofline.bytes import predict_tpot_ms, weight_bytes_read
 from kvlab.spec.dtypes import canonical_dtype

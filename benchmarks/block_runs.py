@@ -6,7 +6,7 @@ block pool alone.
 
 The paged cache reads a one-sequence step in place when the sequence's blocks are consecutive ids
 (``PagedKVCache._run_start``), and gathers them into a copy otherwise. This replays the chat's allocations as
-``kvlab.engine.Engine`` makes them with prefix caching on (one request at a time: the prompt's cached blocks
+``kvlab.engine.engine.Engine`` makes them with prefix caching on (one request at a time: the prompt's cached blocks
 shared, the rest of the prompt appended, then one token per decode step), with random token ids, and counts the
 decode steps whose table is one run. No model runs: the share is a property of the allocator.
 ``--room`` sizes the pool as a multiple of lesson 05's, which fits the chat exactly.

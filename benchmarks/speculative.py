@@ -13,11 +13,11 @@ speculative time for the same tokens, interleaved, median of repeats):
 - bytes: ``kvlab.roofline.bytes.predict_speculative``, the target's bytes per step once per round and the draft's k
   times, as if every call cost its bytes alone (a verify step of k + 1 positions costing one decode step);
 - cost: the same runs, with each call's measured time instead of its bytes: ``T(n)`` a target call over ``n``
-  positions (``kvlab.speculative.time_verify_steps``; ``T(1)`` is a plain decode step), ``D`` a draft step.
+  positions (``kvlab.engine.speculative.time_verify_steps``; ``T(1)`` is a plain decode step), ``D`` a draft step.
   A run of ``N`` tokens costs plain decoding ``N x T(1)``, and speculation ``T(p + 1)`` for each verify step
   offered ``p`` drafts (prompt lookup often offers fewer than k) plus ``D`` for each draft step.
 
-``--inflate D_FF`` pads the target's MLPs with all-zero units (``kvlab.speculative.inflate_mlp``: the same
+``--inflate D_FF`` pads the target's MLPs with all-zero units (``kvlab.engine.speculative.inflate_mlp``: the same
 tokens, more bytes per step), so that the target streams from memory rather than from the last-level cache.
 A benchmark, not a test: run it on an idle machine and report what it prints.
 """
@@ -29,10 +29,10 @@ import statistics
 
 import torch
 
+from kvlab.engine.speculative import PROMPT_LOOKUP, inflate_mlp, speculative_generate, time_verify_steps
 from kvlab.machine.timing import machine_info, time_interleaved
 from kvlab.model.pretrained import bos_token, heldout_tokens, list_pretrained, load_pretrained
 from kvlab.roofline.bytes import predict, predict_speculative
-from kvlab.speculative import PROMPT_LOOKUP, inflate_mlp, speculative_generate, time_verify_steps
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,7 +13,7 @@ from autograde import hidden
 from kvlab import Decoder, checks
 from kvlab.bench import RequestTiming
 from kvlab.course import lesson05_prefix_caching as l05
-from kvlab.engine import Engine, Request, RequestResult, RunReport
+from kvlab.engine.engine import Engine, Request, RequestResult, RunReport
 from tests.helpers import assert_fails, assert_silent
 
 

@@ -10,7 +10,7 @@ import torch
 from autograde import hidden
 from kvlab import checks, get_gpu, get_model, roofline
 from kvlab.course import lesson10_speculative_decoding as lesson10
-from kvlab.speculative import PROMPT_LOOKUP, speculative_generate
+from kvlab.engine.speculative import PROMPT_LOOKUP, speculative_generate
 from tests.helpers import assert_fails, assert_silent, sharp_random_model
 
 

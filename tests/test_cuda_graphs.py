@@ -6,7 +6,7 @@ from torch.testing import assert_close
 
 from kvlab import CacheCapacityError, Decoder
 from kvlab.cache import CacheShape
-from kvlab.cuda_graphs import GraphedDecodeStep, StaticKVCache
+from kvlab.engine.cuda_graphs import GraphedDecodeStep, StaticKVCache
 
 from .helpers import assert_greedy_picks, tiny_config
 

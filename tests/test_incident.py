@@ -10,7 +10,7 @@ import torch
 
 from autograde import hidden
 from kvlab.course import lesson11_capstone_incident as lesson11
-from kvlab.engine import Engine, Request
+from kvlab.engine.engine import Engine, Request
 from kvlab.incident import (
     INCIDENT,
     SCALE,

@@ -13,9 +13,9 @@ from kvlab.cache.base import CacheRollbackError, CacheShape
 from kvlab.cache.policy.window import WindowKVCache
 from kvlab.cache.storage.block_pool import HOLE, BlockPool
 from kvlab.cache.storage.paged import TABLE_ENTRY_BYTES, PagedKVCache
+from kvlab.engine.speculative import speculative_generate
 from kvlab.model.decoder import Decoder
 from kvlab.roofline.bytes import kv_bytes_per_step
-from kvlab.speculative import speculative_generate
 
 from .helpers import tiny_config
 

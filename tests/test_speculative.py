@@ -16,9 +16,9 @@ from kvlab.cache.policy.window import WindowKVCache
 from kvlab.cache.storage.paged import PagedKVCache
 from kvlab.cache.storage.shared_prefix import SharedPrefixKVCache
 from kvlab.cache.storage.slab import ContiguousKVCache
+from kvlab.engine.speculative import inflate_mlp, prompt_lookup, speculative_generate, time_verify_steps
 from kvlab.model.decoder import Decoder
 from kvlab.spec.config import MLAConfig
-from kvlab.speculative import inflate_mlp, prompt_lookup, speculative_generate, time_verify_steps
 
 from .helpers import sharp_random_model
 

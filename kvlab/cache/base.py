@@ -17,7 +17,7 @@ The attention module (``kvlab.model.attention``) owns the model's rules: it scal
 the cache the layer's window. A cache stores, evicts, encodes and reads. Every cache reports the quantities the
 course's formula is about: ``bytes_stored()``, ``bytes_read_per_step()`` and ``bytes_written_per_step()``.
 
-Speculative decoding (``kvlab.speculative``) stores K/V for drafted tokens and then keeps only the accepted ones:
+Speculative decoding (``kvlab.engine.speculative``) stores K/V for drafted tokens and then keeps only the accepted ones:
 ``truncate(length)`` forgets the rest. A cache that keeps every token can; one that evicts as it stores (a window,
 heavy hitters) cannot, because the tokens a rollback would bring back are gone. ``max_rollback`` says how far a
 cache can go back now, and ``truncate`` refuses anything further with ``CacheRollbackError``, changing nothing.

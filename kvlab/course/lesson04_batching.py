@@ -13,7 +13,7 @@ import torch
 from kvlab.bench import RequestTiming, fit_line, percentile
 from kvlab.course.grading import FLOOR, _call, _close, _exact_int, _exact_ints, _fail, _label
 from kvlab.course.measured import Reading, reading, tell
-from kvlab.engine import Engine, Request, RequestResult, RunReport
+from kvlab.engine.engine import Engine, Request, RequestResult, RunReport
 from kvlab.model.decoder import Decoder
 from kvlab.roofline.bytes import kv_bytes_per_step, kv_bytes_per_token, weight_bytes, weight_bytes_read
 from kvlab.spec.config import ModelConfig
@@ -337,7 +337,7 @@ def check_max_batch_in_pool(
     fn: Callable[[int, int, int], int], cases: Iterable[tuple[int, int, int]] = _POOL_CASES, reveal: bool = True
 ) -> None:
     """``fn(n_blocks, block_size, prompt_len)`` -> how many requests of ``prompt_len`` tokens, generating one token
-    each, ``kvlab.engine.Engine`` admits at once into a pool of ``n_blocks`` blocks of ``block_size`` tokens.
+    each, ``kvlab.engine.engine.Engine`` admits at once into a pool of ``n_blocks`` blocks of ``block_size`` tokens.
 
     Expected: what the engine does (``_admitted_at_once``), ``n_blocks // ceil(prompt_len / block_size)``.
     """

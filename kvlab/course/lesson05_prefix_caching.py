@@ -3,7 +3,7 @@ and the TTFT they save, the blocks sessions hold with and without a shared syste
 hit, and the bytes a cascade step reads for a batch that shares a prefix.
 
 The exact answers are compared with what kvlab's own code does on the same inputs: the paged cache's prefix hits
-(``PagedKVCache.new_sequence``), a run of the engine (``kvlab.engine.Engine``), and the caches' own
+(``PagedKVCache.new_sequence``), a run of the engine (``kvlab.engine.engine.Engine``), and the caches' own
 ``bytes_read_per_step``. Measured answers are compared with the learner's own runs; whether a run shows the effect
 its section measures is read by that section's ``*_reading`` (kvlab.course.measured): the lesson's cell measures
 again while it does not, and the check says so when it never did, without failing correct arithmetic.
@@ -25,7 +25,7 @@ from kvlab.cache.storage.shared_prefix import SharedPrefixKVCache
 from kvlab.cache.storage.slab import ContiguousKVCache
 from kvlab.course.grading import _call, _close, _exact_int, _fail, _is_int
 from kvlab.course.measured import Reading, reading, tell
-from kvlab.engine import Engine, Request, RunReport
+from kvlab.engine.engine import Engine, Request, RunReport
 from kvlab.model.decoder import Decoder
 from kvlab.spec.config import ModelConfig
 

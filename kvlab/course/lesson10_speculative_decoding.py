@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from kvlab.course.grading import _call, _close, _fail, _is_int, _is_real, _label
+from kvlab.engine.speculative import SpeculativeResult, accept_greedy
 from kvlab.roofline.bytes import (
     decode_flops,
     expected_tokens_per_step,
@@ -22,7 +23,6 @@ from kvlab.roofline.bytes import (
 )
 from kvlab.spec.config import ModelConfig
 from kvlab.spec.presets import GPU, get_gpu, get_model
-from kvlab.speculative import SpeculativeResult, accept_greedy
 
 __all__ = [
     "check_accept_greedy",
@@ -81,7 +81,7 @@ def check_accept_greedy(
     """``fn(logits, drafts)`` -> ``(n_accepted, next_token)``, both ints: greedy verification of ``k`` drafts.
 
     ``logits``: the target's ``[k + 1, V]`` predictions, row ``i`` after the pending token and drafts ``0 .. i-1``.
-    Compared with kvlab's own rule (``kvlab.speculative.accept_greedy``) on each case ``(vocab, k,
+    Compared with kvlab's own rule (``kvlab.engine.speculative.accept_greedy``) on each case ``(vocab, k,
     n_match, seed[, match_after[, tie]])``.
     """
     for case in cases:

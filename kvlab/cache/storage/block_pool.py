@@ -35,7 +35,7 @@ class PoolExhaustedError(CacheCapacityError):
 
 def int_tuple(token_ids: Sequence[int]) -> tuple[int, ...]:
     """``token_ids`` as a tuple of Python ints, the form hashes and registrations compare. A tuple of ints (what
-    ``kvlab.engine.Request`` holds) is returned as it is: checking costs a C-level pass, converting a Python one,
+    ``kvlab.engine.engine.Request`` holds) is returned as it is: checking costs a C-level pass, converting a Python one,
     and a 30k-token chat prompt is checked several times a turn."""
     if type(token_ids) is tuple and set(map(type, token_ids)) <= {int}:
         return token_ids

@@ -167,7 +167,7 @@ class GraphedDecodeStep:
                 "model.decode_step(tokens, StaticKVCache(...)) runs the same static-shape step eagerly"
             )
         if not isinstance(cache, StaticKVCache):
-            raise ValueError(f"cache: {type(cache).__name__}; allowed: a kvlab.cuda_graphs.StaticKVCache")
+            raise ValueError(f"cache: {type(cache).__name__}; allowed: a kvlab.engine.cuda_graphs.StaticKVCache")
         require_int("warmup", warmup, 1)
         if cache.length + warmup + 1 > cache.capacity:
             raise ValueError(

@@ -422,7 +422,7 @@ class Engine:
         Returns the handle ``cancel`` takes. Raises ``ValueError`` naming the field if the engine cannot serve it.
         """
         if not isinstance(request, Request):
-            raise ValueError(f"request: {request!r}; allowed: a kvlab.engine.Request")
+            raise ValueError(f"request: {request!r}; allowed: a kvlab.engine.engine.Request")
         x = self._live(-1, request, self.clock.now(), on_token)
         error = self._reject(x)
         if error:
@@ -468,7 +468,7 @@ class Engine:
         ``finish_s``; they are numbered after every request before them, and their results follow in that order.
         """
         if any(not isinstance(r, Request) for r in requests):
-            raise ValueError(f"requests: {list(requests)!r}; allowed: a sequence of kvlab.engine.Request")
+            raise ValueError(f"requests: {list(requests)!r}; allowed: a sequence of kvlab.engine.engine.Request")
         live = [self._live(i, r, r.arrival_s) for i, r in enumerate(requests)]
         errors = {x.index: self._reject(x) for x in live}
         # Latest first, so the next to arrive pops off the end (ties: the lower index first, as they were given).
@@ -505,7 +505,7 @@ class Engine:
     def _follow(self, request: Request, index: int, now: float, errors: dict[int, str | None]) -> _Live:
         """A request a follow-up returned, numbered ``index``, with its error (if any) recorded in ``errors``."""
         if not isinstance(request, Request):
-            raise ValueError(f"follow_up: returned {request!r}; allowed: a sequence of kvlab.engine.Request")
+            raise ValueError(f"follow_up: returned {request!r}; allowed: a sequence of kvlab.engine.engine.Request")
         if request.arrival_s < now:
             raise ValueError(
                 f"follow_up: a request arriving at {request.arrival_s} s, before the answer it follows "
