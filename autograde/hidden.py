@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvlab.bench import RequestTiming
 from kvlab.cache.base import CacheShape
 from kvlab.course import (
     lesson00_orientation,
@@ -28,6 +27,7 @@ from kvlab.course import (
     lesson11_capstone_incident,
 )
 from kvlab.engine.engine import Engine, Request, RequestResult, RunReport, SimulatedClock
+from kvlab.measure.sweep import RequestTiming
 from kvlab.model.decoder import Decoder
 from kvlab.roofline.bytes import kv_bytes_per_token, weight_bytes
 from kvlab.spec.config import MLAConfig, ModelConfig, MoEConfig

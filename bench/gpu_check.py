@@ -8,7 +8,7 @@ Sections, each run on its own so one failure is recorded (with its traceback) an
 1. ``bandwidth``: the device-to-device copy bandwidth and the read bandwidth, measured here (``kvlab.machine.timing``).
 2. ``parity``: kvlab's logits against transformers' Llama on the same weights, device and dtype.
 3. ``pytest_gpu``: the tests marked ``gpu`` (CUDA only).
-4. ``fidelity``: TPOT against context at batch 1 and 8 (``kvlab.bench.sweep_context``), each point's bytes per
+4. ``fidelity``: TPOT against context at batch 1 and 8 (``kvlab.measure.sweep.sweep_context``), each point's bytes per
    step over its TPOT as a fraction of the copy bandwidth.
 5. ``kernels``: one layer's decode attention over the same context through each reader side by side: torch's
    SDPA on a plain slab, the contiguous, paged, int8, int4 and fp8 caches (on CUDA these run
@@ -43,11 +43,11 @@ import torch
 import torch.nn.functional as F
 
 from kvlab import Decoder, get_model
-from kvlab.bench import fit_line, sweep_context
 from kvlab.cache import CacheShape, ContiguousKVCache, KVCache, PagedKVCache
 from kvlab.cache.codec.stores import fused_kernels
 from kvlab.engine.cuda_graphs import GraphedDecodeStep, StaticKVCache
 from kvlab.machine.timing import Bandwidth, bandwidth_buffer_mb, cpu_name, machine_info, measure_bandwidth, time_call
+from kvlab.measure.sweep import fit_line, sweep_context
 from kvlab.roofline.bytes import predict_tpot_ms, weight_bytes_read
 from kvlab.spec.dtypes import canonical_dtype
 

@@ -38,7 +38,6 @@ from collections.abc import Callable
 import torch
 
 from kvlab import Decoder, get_model
-from kvlab.breakdown import layer_weights
 from kvlab.machine.timing import (
     CLOCKS,
     bandwidth_buffer_mb,
@@ -47,6 +46,7 @@ from kvlab.machine.timing import (
     measure_matmul_flops,
     time_interleaved,
 )
+from kvlab.measure.breakdown import layer_weights
 from kvlab.roofline.bytes import decode_flops, kv_bytes_per_step, roofline_time_ms, weight_bytes_read
 
 SKINNY_REPEATS = 8  # products per timed call of a cache-resident weight: one is too short for the clock

@@ -1,4 +1,4 @@
-"""Where one decode step's time goes, from the command line (``kvlab.breakdown`` holds the measurement).
+"""Where one decode step's time goes, from the command line (``kvlab.measure.breakdown`` holds the measurement).
 
     python benchmarks/decode_breakdown.py                       # cpu-small, context 2048, torch's thread count
     python benchmarks/decode_breakdown.py --threads 1 --context 16
@@ -16,9 +16,9 @@ import json
 import torch
 
 from kvlab import Decoder, get_model
-from kvlab.breakdown import breakdown, report
 from kvlab.cli import parse_tokens
 from kvlab.machine.timing import CLOCKS, machine_info
+from kvlab.measure.breakdown import breakdown, report
 
 
 def main() -> None:

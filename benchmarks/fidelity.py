@@ -31,9 +31,9 @@ import warnings
 import torch
 
 from kvlab import Decoder, get_model
-from kvlab.bench import sweep_context
 from kvlab.cli import parse_tokens
 from kvlab.machine.timing import Bandwidth, bandwidth_buffer_mb, machine_info, measure_bandwidth, time_interleaved
+from kvlab.measure.sweep import sweep_context
 from kvlab.roofline.bytes import predict_tpot_ms
 
 

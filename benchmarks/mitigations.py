@@ -3,7 +3,7 @@
     python benchmarks/mitigations.py            # cpu-small, contexts up to 32k
     python benchmarks/mitigations.py --quick    # cpu-tiny, short contexts (a smoke run)
 
-For every row the slope of TPOT against context (µs per token of context) is measured with ``kvlab.bench`` and
+For every row the slope of TPOT against context (µs per token of context) is measured with ``kvlab.measure.sweep`` and
 compared with full fp32 MHA measured in the same process; the predicted ratio is the cache's own
 ``bytes_read_per_step`` ratio. The shared-prefix row compares whole decode steps of a batch instead, because its
 saving does not grow with one sequence's context but with the batch that shares it.
@@ -23,12 +23,12 @@ from collections.abc import Callable
 import torch
 
 from kvlab import Decoder, get_model
-from kvlab.bench import sweep_context
 from kvlab.cache import PagedKVCache, WindowKVCache
 from kvlab.cache.base import KVCache
 from kvlab.cache.storage.shared_prefix import SharedPrefixKVCache
 from kvlab.cli import parse_tokens
 from kvlab.machine.timing import bandwidth_buffer_mb, machine_info, measure_bandwidth, time_interleaved
+from kvlab.measure.sweep import sweep_context
 
 MakeCache = Callable[[Decoder, int, int], KVCache]
 

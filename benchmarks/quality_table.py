@@ -7,7 +7,7 @@ A policy is a name and a ``make_cache(model, batch_size, capacity) -> KVCache`` 
 full cache, windows with and without sinks under both position schemes, H2O at several budgets, and the fp8,
 int8 and int4 codecs (KIVI grouping; with the default residual of recent full-precision tokens, and without), with
 ``fp8-tensor`` beside fp8: one uncalibrated scale (1.0) per tensor, vLLM's default FP8 cache.
-Every measurement streams the text through the cache (see ``kvlab.quality``), so the policy acts on every
+Every measurement streams the text through the cache (see ``kvlab.measure.quality``), so the policy acts on every
 prediction after the first ``--prefill`` tokens. Needle recall is passkey retrieval: chance is ``1 / N_PASSKEYS``.
 """
 
@@ -25,8 +25,8 @@ from kvlab.cache.codec.kivi import QuantizedKVCache
 from kvlab.cache.policy.heavy_hitters import HeavyHitterKVCache
 from kvlab.cache.policy.window import WindowKVCache
 from kvlab.machine.timing import Stopwatch
+from kvlab.measure.quality import CHANCE, needle_recall, perplexity
 from kvlab.model.pretrained import bos_token, heldout_tokens, list_pretrained, load_pretrained
-from kvlab.quality import CHANCE, needle_recall, perplexity
 
 WINDOWS = (64, 128, 256)
 SINKS = 4

@@ -12,7 +12,7 @@ bf16 and fp16 run natively only where oneDNN reports AVX512-BF16/AMX/AVX512-FP16
 converts each weight to fp32 first, and the step shows it.
 
 Quality: the shipped checkpoint's weights loaded into each precision, scored on the shipped held-out text
-(``kvlab.quality.perplexity``) and by passkey retrieval (``needle_recall``), with the full fp32 KV cache.
+(``kvlab.measure.quality.perplexity``) and by passkey retrieval (``needle_recall``), with the full fp32 KV cache.
 
 A benchmark, not a test: say how loaded the machine was.
 """
@@ -28,9 +28,9 @@ import torch
 
 from kvlab import Decoder, get_model
 from kvlab.machine.timing import CLOCKS, bandwidth_buffer_mb, load_average, machine_info, time_interleaved
+from kvlab.measure.quality import CHANCE, needle_recall, perplexity
 from kvlab.model.pretrained import bos_token, heldout_tokens, list_pretrained, load_pretrained
 from kvlab.model.weights import WEIGHT_DTYPES, native_half
-from kvlab.quality import CHANCE, needle_recall, perplexity
 from kvlab.roofline.bytes import kv_bytes_per_step, weight_bytes_read
 
 

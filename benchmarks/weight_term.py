@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from kvlab import Decoder, get_model
-from kvlab.breakdown import layer_weights
 from kvlab.machine.timing import CLOCKS, bandwidth_buffer_mb, load_average, machine_info, time_interleaved
+from kvlab.measure.breakdown import layer_weights
 from kvlab.model.weights import WeightFormat
 from kvlab.roofline.bytes import weight_bytes_read
 

@@ -415,10 +415,10 @@ def measure_sweep(
 ):
     """Decode the runnable ``preset`` on this machine at each context (tokens): ``kvlab bench``'s measurement, which
     ``kvlab report --measure`` runs too. Returns the config it ran (max context raised to fit) and the
-    ``kvlab.bench.Sweep``, whose prediction uses the read bandwidth measured in the same run."""
+    ``kvlab.measure.sweep.Sweep``, whose prediction uses the read bandwidth measured in the same run."""
     import torch
 
-    from kvlab.bench import sweep_context
+    from kvlab.measure.sweep import sweep_context
     from kvlab.model.decoder import Decoder
 
     cfg = _usage(get_model, preset, "--preset")

@@ -5,7 +5,7 @@ session, then turns (a user message; a reply of a known length), each sent a thi
 ended. ``replay`` plays it through ``kvlab.engine.engine.Engine`` as a closed loop (``Engine.run``'s ``follow_up``): each
 turn's prompt is the conversation so far, the generated replies included, so a prefix cache sees what a real one
 would. A ``Fix`` is what a team can ship without touching the model: prefix caching, a KV dtype, a window with sinks,
-a session cap (``kvlab.session.turns_to_drop``, the rule ``kvlab.session.ChatSession`` applies).
+a session cap (``kvlab.measure.session.turns_to_drop``, the rule ``kvlab.measure.session.ChatSession`` applies).
 
 The same trace plays at two scales, through the same engine:
 
@@ -32,17 +32,17 @@ from functools import lru_cache, partial
 
 import torch
 
-from kvlab.bench import latency_summaries
 from kvlab.cache.base import KVCache
 from kvlab.cache.policy.window import WindowKVCache
 from kvlab.disk_memo import remembered
 from kvlab.engine.engine import Clock, Engine, Request, RunReport, SimulatedClock
+from kvlab.measure.quality import default_cache, perplexity
+from kvlab.measure.session import turns_to_drop
+from kvlab.measure.sweep import latency_summaries
 from kvlab.model.decoder import Decoder
 from kvlab.model.pretrained import heldout_tokens, load_pretrained
 from kvlab.model.tokenizer import ASK, N_PASSKEYS, PASSKEY_BASE, VOCAB_SIZE
-from kvlab.quality import default_cache, perplexity
 from kvlab.roofline.bytes import kv_bytes_per_token, weight_bytes
-from kvlab.session import turns_to_drop
 from kvlab.spec.config import ModelConfig
 from kvlab.spec.dtypes import KV_DTYPES, canonical_dtype
 from kvlab.spec.presets import GPU, get_gpu, get_model
@@ -420,7 +420,7 @@ def with_passkeys(trace: ChatTrace, horizon: int, seed: int) -> tuple[ChatTrace,
 
 def fix_cache_factory(fix: Fix):
     """``make_cache(model, batch, capacity)`` with ``fix``'s codec and window (original positions, as the engine's
-    paged cache keeps them), for ``kvlab.quality``; a session cap acts on turns, not inside a cache."""
+    paged cache keeps them), for ``kvlab.measure.quality``; a session cap acts on turns, not inside a cache."""
     if fix.window is None:
         return lambda model, batch, capacity: model.new_cache(batch, capacity, kv_dtype=fix.kv_dtype)
     return partial(WindowKVCache.for_model, window=fix.window, sinks=fix.sinks, codec=fix.kv_dtype)

@@ -1,6 +1,6 @@
 """Percentile summaries with vLLM's field names, torch-free so that ``kvlab.endpoint`` (a client) loads fast.
 
-``kvlab.bench`` re-exports these names, where the lessons import them from.
+``kvlab.measure.sweep`` re-exports these names, where the lessons import them from.
 """
 
 from __future__ import annotations

@@ -529,7 +529,7 @@ def _mitigations(target: Target, p: Prediction, context: int, batch: int) -> lis
 
 def build_report(target: Target, context: int, batch: int, memory_gb: float | None = None, sweep=None) -> dict:
     """Every figure of the report, as JSON-ready data. ``memory_gb``: the memory to fit into (None: the GPU
-    preset's, if any); ``sweep``: a ``kvlab.bench.Sweep`` measured on this machine, or None."""
+    preset's, if any); ``sweep``: a ``kvlab.measure.sweep.Sweep`` measured on this machine, or None."""
     cfg = target.cfg
     p = _run(target, context, batch)
     return {

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from kvlab import Decoder
-from kvlab.bench import Arm, RequestTiming, fit_line, interleaved_sweeps, percentile, summarize, sweep_context
-from kvlab.breakdown import breakdown, report
 from kvlab.machine.timing import Bandwidth
+from kvlab.measure.breakdown import breakdown, report
+from kvlab.measure.sweep import Arm, RequestTiming, fit_line, interleaved_sweeps, percentile, summarize, sweep_context
 from kvlab.roofline.bytes import weight_bytes_read
 
 from .helpers import tiny_config

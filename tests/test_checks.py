@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from kvlab import checks, get_model, roofline
-from kvlab.bench import RequestTiming, Sweep, SweepPoint, fit_line, percentile
 from kvlab.cache import KVCache
 from kvlab.kernels.reference import attend_slab
 from kvlab.machine.timing import Bandwidth
+from kvlab.measure.sweep import RequestTiming, Sweep, SweepPoint, fit_line, percentile
 from tests.conftest import LESSONS, REPO
 from tests.helpers import assert_fails, assert_silent
 

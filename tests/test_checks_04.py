@@ -10,9 +10,9 @@ import pytest
 
 from autograde import hidden
 from kvlab import checks, get_model, roofline
-from kvlab.bench import fit_line, percentile
 from kvlab.course import lesson04_batching
 from kvlab.engine.engine import Engine, Request, RequestResult, RunReport
+from kvlab.measure.sweep import fit_line, percentile
 from kvlab.model.decoder import Decoder
 from tests.helpers import assert_fails, assert_silent
 

@@ -11,9 +11,9 @@ import pytest
 
 from autograde import hidden
 from kvlab import Decoder, checks
-from kvlab.bench import RequestTiming
 from kvlab.course import lesson05_prefix_caching as l05
 from kvlab.engine.engine import Engine, Request, RequestResult, RunReport
+from kvlab.measure.sweep import RequestTiming
 from tests.helpers import assert_fails, assert_silent
 
 

@@ -10,9 +10,9 @@ import pytest
 
 from autograde import hidden
 from kvlab import checks, roofline
-from kvlab.bench import RequestTiming, Sweep, SweepPoint
 from kvlab.machine.timing import Bandwidth
-from kvlab.quality import NeedleResult, PerplexityResult, needle_prompts
+from kvlab.measure.quality import NeedleResult, PerplexityResult, needle_prompts
+from kvlab.measure.sweep import RequestTiming, Sweep, SweepPoint
 from tests.helpers import assert_fails, assert_silent
 
 BW = Bandwidth("cpu", 64.0, copy_gbps=10.0, read_gbps=10.0, copy_best_gbps=11.0, read_best_gbps=11.0, threads=1)

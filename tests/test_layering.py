@@ -31,9 +31,9 @@ LEVELS: tuple[tuple[str, ...], ...] = (
     ("kvlab.cache", "kvlab.cache.*"),
     ("kvlab.model.attention", "kvlab.model.mla"),
     ("kvlab.model.decoder",),
-    ("kvlab.bench", "kvlab.breakdown", "kvlab.engine.cuda_graphs", "kvlab.endpoint", "kvlab.engine.engine", "kvlab.incident",
-     "kvlab.quality", "kvlab.serve", "kvlab.session", "kvlab.model.hf", "kvlab.model.pretrained", "kvlab.engine.speculative",
-     "kvlab.train"),
+    ("kvlab.measure.sweep", "kvlab.measure.breakdown", "kvlab.engine.cuda_graphs", "kvlab.endpoint", "kvlab.engine.engine", "kvlab.incident",
+     "kvlab.measure.quality", "kvlab.serve", "kvlab.measure.session", "kvlab.model.hf", "kvlab.model.pretrained", "kvlab.engine.speculative",
+     "kvlab.measure.train"),
     ("kvlab.course", "kvlab.course.*", "kvlab.checks"),
     ("kvlab.cli", "kvlab.report"),
 )  # fmt: skip

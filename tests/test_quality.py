@@ -16,16 +16,16 @@ from kvlab.cache.policy.heavy_hitters import HeavyHitterKVCache
 from kvlab.cache.policy.window import WindowKVCache
 from kvlab.cache.storage.paged import PagedKVCache
 from kvlab.cache.storage.slab import ContiguousKVCache
-from kvlab.model.decoder import Decoder
-from kvlab.model.pretrained import heldout_tokens, load_pretrained
-from kvlab.model.tokenizer import ASK, EOT, VOCAB_SIZE, is_passkey
-from kvlab.quality import (
+from kvlab.measure.quality import (
     attention_sink_share,
     needle_prompts,
     needle_recall,
     perplexity,
     uniform_first_token_share,
 )
+from kvlab.model.decoder import Decoder
+from kvlab.model.pretrained import heldout_tokens, load_pretrained
+from kvlab.model.tokenizer import ASK, EOT, VOCAB_SIZE, is_passkey
 from kvlab.spec.config import ModelConfig
 
 from .helpers import assert_greedy_picks, sharp_random_model

@@ -9,7 +9,7 @@ from torch.testing import assert_close
 
 from kvlab import Decoder, ModelConfig
 from kvlab.cache.policy.window import WindowKVCache
-from kvlab.session import ChatSession, Rebuild
+from kvlab.measure.session import ChatSession, Rebuild
 
 from .helpers import assert_greedy_picks
 

@@ -11,10 +11,8 @@ import torch
 from torch.testing import assert_close
 
 from kvlab.cache.policy.window import WindowKVCache
-from kvlab.model.pretrained import bos_token, heldout_tokens, list_pretrained, load_pretrained, pretrained_info
-from kvlab.model.tokenizer import ASK, EOT, EOT_TEXT, N_PASSKEYS, VOCAB_SIZE, decode, encode, is_passkey, passkey
-from kvlab.quality import CHANCE, needle_recall, perplexity
-from kvlab.train import (
+from kvlab.measure.quality import CHANCE, needle_recall, perplexity
+from kvlab.measure.train import (
     HELDOUT_FILES,
     TrainConfig,
     card,
@@ -26,6 +24,8 @@ from kvlab.train import (
     training_corpus,
     training_files,
 )
+from kvlab.model.pretrained import bos_token, heldout_tokens, list_pretrained, load_pretrained, pretrained_info
+from kvlab.model.tokenizer import ASK, EOT, EOT_TEXT, N_PASSKEYS, VOCAB_SIZE, decode, encode, is_passkey, passkey
 
 TINY = TrainConfig(
     n_layers=1,

@@ -8,8 +8,8 @@ from torch.testing import assert_close
 import kvlab.model.weights
 from autograde import hidden
 from kvlab import Decoder
-from kvlab.breakdown import layer_weights
 from kvlab.checks import check_int8_weight_bytes
+from kvlab.measure.breakdown import layer_weights
 from kvlab.model.weights import (
     WeightFormat,
     int8_step_weight_bytes,

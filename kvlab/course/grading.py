@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kvlab.bench import Sweep
+from kvlab.measure.sweep import Sweep
 from kvlab.spec.config import ModelConfig
 
 REL_TOL = 1e-9  # floats computed by another order of operations differ in the last bits, never by more
@@ -205,12 +205,12 @@ def _label(cfg: ModelConfig) -> str:
 
 
 def _timed_together(sweeps: Mapping[str, Any], fix: str) -> None:
-    """Each of ``sweeps`` (named as the learner knows it) is a ``kvlab.bench.Sweep``, and all were timed against one
+    """Each of ``sweeps`` (named as the learner knows it) is a ``kvlab.measure.sweep.Sweep``, and all were timed against one
     ``Bandwidth`` measurement (the same object): a comparison of sweeps is fair only when they shared the machine's
     state, in one process. ``fix`` says what to pass instead of something that is not a Sweep."""
     for name, sweep in sweeps.items():
         if not isinstance(sweep, Sweep):
-            _fail(name, type(sweep).__name__, "a kvlab.bench.Sweep", fix)
+            _fail(name, type(sweep).__name__, "a kvlab.measure.sweep.Sweep", fix)
     (first_name, first), *rest = sweeps.items()
     for name, sweep in rest:
         if sweep.bandwidth is not first.bandwidth:

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from kvlab.bench import RequestTiming, Sweep, fit_line, percentile
 from kvlab.cache.base import CacheFactory, KVCache
 from kvlab.course.grading import _call, _close, _fail, _timed_together
 from kvlab.course.measured import Reading, reading, tell
+from kvlab.measure.sweep import RequestTiming, Sweep, fit_line, percentile
 from kvlab.model.decoder import Decoder
 from kvlab.roofline.bytes import crossover_context
 from kvlab.spec.config import ModelConfig
@@ -321,7 +321,7 @@ def check_ab_slopes(preallocated: Sweep | None, concat: Sweep | None) -> None:
             _fail(
                 f"{name} sweep",
                 None,
-                "a kvlab.bench.Sweep from the A/B cell",
+                "a kvlab.measure.sweep.Sweep from the A/B cell",
                 "This check needs exercise 6 (ConcatKVCache.append): make check_concat_cache pass, then run the "
                 "cell that times both caches, then this one.",
             )

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from kvlab.bench import fit_line
 from kvlab.cache.base import CacheShape
 from kvlab.cache.storage.paged import PagedKVCache
 from kvlab.cache.storage.shared_prefix import SharedPrefixKVCache
@@ -26,6 +25,7 @@ from kvlab.cache.storage.slab import ContiguousKVCache
 from kvlab.course.grading import _call, _close, _exact_int, _fail, _is_int
 from kvlab.course.measured import Reading, reading, tell
 from kvlab.engine.engine import Engine, Request, RunReport
+from kvlab.measure.sweep import fit_line
 from kvlab.model.decoder import Decoder
 from kvlab.spec.config import ModelConfig
 

@@ -9,9 +9,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import pairwise
 from typing import Any
 
-from kvlab.bench import Sweep, fit_line
 from kvlab.course.grading import _call, _close, _exact_int, _fail, _label, _timed_together
 from kvlab.course.measured import Reading, reading, tell
+from kvlab.measure.sweep import Sweep, fit_line
 from kvlab.roofline.bytes import (
     active_params,
     kv_bytes_per_step,
@@ -163,7 +163,7 @@ def _check_layout_sweeps(sweeps: Any, name: str = "sweeps") -> None:
         _fail(name, type(sweeps).__name__, "a dict of at least two sweeps, keyed by n_kv_heads", fix)
     for key, sweep in sweeps.items():
         if not (isinstance(key, int) and isinstance(sweep, Sweep)):
-            _fail(f"{name}[{key!r}]", type(sweep).__name__, "a kvlab.bench.Sweep under an int n_kv_heads", fix)
+            _fail(f"{name}[{key!r}]", type(sweep).__name__, "a kvlab.measure.sweep.Sweep under an int n_kv_heads", fix)
     _timed_together({f"{name}[{key}]": sweep for key, sweep in sweeps.items()}, fix)
     first = next(iter(sweeps.values()))
     contexts = [p.context for p in first.points]

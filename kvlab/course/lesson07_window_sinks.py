@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 
-from kvlab.bench import Sweep
 from kvlab.cache.base import FLOAT_DTYPES, CacheShape
 from kvlab.cache.policy.window import POSITIONS, WindowKVCache
 from kvlab.course.grading import _call, _close, _exact_int, _fail, _is_int, _label, _timed_together
 from kvlab.course.measured import Reading, reading, tell
-from kvlab.quality import NeedleResult, PerplexityResult, needle_prompts
+from kvlab.measure.quality import NeedleResult, PerplexityResult, needle_prompts
+from kvlab.measure.sweep import Sweep
 from kvlab.roofline.bytes import kv_bytes_per_token
 from kvlab.spec.config import ModelConfig
 from kvlab.spec.presets import get_model
@@ -291,7 +291,7 @@ def check_passkey_kept(
 ) -> None:
     """``fn(context, depth, window, sinks)`` -> whether the passkey is still in the cache when ``<|ask|>`` is read.
 
-    The prompt is ``kvlab.quality.needle_prompts``'s: ``context`` tokens, the passkey at ``round(depth x (context
+    The prompt is ``kvlab.measure.quality.needle_prompts``'s: ``context`` tokens, the passkey at ``round(depth x (context
     - 2))``, ``<|ask|>`` last, at ``context - 1``; the answer is predicted at the step that reads ``<|ask|>``, when
     the cache has seen ``context`` tokens.
     """

@@ -14,7 +14,7 @@ from kvlab.cache.base import CacheShape
 from kvlab.cache.policy.heavy_hitters import HeavyHitterKVCache
 from kvlab.cache.policy.window import WindowKVCache
 from kvlab.course.grading import _call, _close, _exact_int, _fail, _is_int, _is_real, _label
-from kvlab.session import Rebuild
+from kvlab.measure.session import Rebuild
 from kvlab.spec.config import ModelConfig
 from kvlab.spec.presets import get_model
 

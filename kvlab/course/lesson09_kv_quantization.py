@@ -11,13 +11,13 @@ from typing import Any
 
 import torch
 
-from kvlab.bench import Sweep
 from kvlab.cache.base import CacheShape
 from kvlab.cache.codec.codecs import IntCodec, get_codec
 from kvlab.cache.codec.kivi import ATTENTION_PATHS, KEY_QUANT, QuantizedKVCache
 from kvlab.course.grading import _call, _close, _exact_int, _fail, _is_real, _label, _timed_together
 from kvlab.course.measured import Reading, reading, tell
 from kvlab.kernels.reference import decode_attention
+from kvlab.measure.sweep import Sweep
 from kvlab.roofline.bytes import kv_bytes_per_step, predict_tpot_ms, weight_bytes_read
 from kvlab.spec.config import ModelConfig
 from kvlab.spec.presets import get_model

@@ -41,7 +41,7 @@ def pretrained_info(name: str) -> dict[str, Any]:
 
 def bos_token(name: str) -> int | None:
     """The token checkpoint ``name`` saw first in every training sequence, to put before every text it reads
-    (``kvlab.quality``'s ``bos``); ``None`` for a checkpoint trained without one."""
+    (``kvlab.measure.quality``'s ``bos``); ``None`` for a checkpoint trained without one."""
     return EOT if pretrained_info(name)["training"].get("bos") else None
 
 

@@ -1,10 +1,10 @@
 """Train the small checkpoint that ships with kvlab: on CPU, in minutes, from text that comes with Python itself.
 
-    python -m kvlab.train --seed 0 --threads 2
+    python -m kvlab.measure.train --seed 0 --threads 2
 
 The data needs no download. Sequences are windows of the standard library's top-level ``.py`` modules; in a
 share of them (``needle_fraction``) a passkey token is planted and asked for later, one to ``max_asks`` times,
-so the model learns to find it across the context (the task ``kvlab.quality`` measures as needle recall). The
+so the model learns to find it across the context (the task ``kvlab.measure.quality`` measures as needle recall). The
 held-out files never enter training; the evaluation text shipped in ``kvlab/data`` was cut from them, so the
 recorded perplexity reproduces on any Python version.
 
@@ -49,10 +49,10 @@ from safetensors.torch import save_file
 from kvlab.cache.base import CacheFactory, default_cache
 from kvlab.cache.policy.window import POSITIONS, WindowKVCache
 from kvlab.machine.timing import Stopwatch, machine_info
+from kvlab.measure.quality import CHANCE, attention_sink_share, needle_recall, perplexity, uniform_first_token_share
 from kvlab.model.decoder import Decoder
 from kvlab.model.pretrained import HELDOUT_FILE, heldout_tokens
 from kvlab.model.tokenizer import ASK, EOT, EOT_TEXT, N_PASSKEYS, VOCAB_SIZE, is_passkey, passkey
-from kvlab.quality import CHANCE, attention_sink_share, needle_recall, perplexity, uniform_first_token_share
 from kvlab.spec.config import ModelConfig
 
 # The sink study (``sink_study``): past the trained length, where a window without sinks is all a model keeps.
@@ -326,7 +326,7 @@ def sink_study(model: Decoder, bos: bool) -> dict:
     """Does the model lean on its first tokens? Held-out perplexity at ``SINK_CONTEXT`` (past the trained length)
     with the full cache, a window of ``SINK_WINDOW`` alone, and the window plus ``SINKS`` first tokens under both
     position schemes; and per layer, the share of attention the first token receives at the trained length
-    against an even spread's share (``kvlab.quality.attention_sink_share``)."""
+    against an even spread's share (``kvlab.measure.quality.attention_sink_share``)."""
     tokens, first = heldout_tokens(), EOT if bos else None
     policies: dict[str, CacheFactory] = {
         "full": default_cache,
@@ -481,8 +481,8 @@ queries give {first}, per layer: {", ".join(f"{r:.1f}x" for r in ratios)} an eve
 
 
 def parser() -> argparse.ArgumentParser:
-    """``python -m kvlab.train``'s options: one per ``TrainConfig`` field, then where to write the checkpoint."""
-    cli = argparse.ArgumentParser(prog="python -m kvlab.train", description=__doc__.split("\n\n")[0])
+    """``python -m kvlab.measure.train``'s options: one per ``TrainConfig`` field, then where to write the checkpoint."""
+    cli = argparse.ArgumentParser(prog="python -m kvlab.measure.train", description=__doc__.split("\n\n")[0])
     for f in dataclasses.fields(TrainConfig):
         flag = f"--{f.name.replace('_', '-')}"
         if isinstance(f.default, bool):  # type=bool would read "--bos False" as True
@@ -526,7 +526,7 @@ def main(argv: list[str] | None = None) -> None:
             "load_end": load_end,
             "date": datetime.date.today().isoformat(),
             "machine": machine_info(),
-            "command": "python -m kvlab.train " + " ".join(argv),
+            "command": "python -m kvlab.measure.train " + " ".join(argv),
         },
     }
     write_checkpoint(args.out, args.name, result.model, record)

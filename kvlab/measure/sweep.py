@@ -294,7 +294,7 @@ def interleaved_sweeps(
     if fill not in ("fast", "prefill"):
         raise ValueError(f"fill: {fill!r}; allowed: 'fast', 'prefill'")
     if not arms:
-        raise ValueError("arms: empty; allowed: one or more kvlab.bench.Arm")
+        raise ValueError("arms: empty; allowed: one or more kvlab.measure.sweep.Arm")
     contexts = sorted(set(contexts))
     if not contexts or contexts[0] < 1:
         raise ValueError(f"contexts: {contexts}; allowed: one or more positive token counts")
