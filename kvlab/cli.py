@@ -496,7 +496,7 @@ def cmd_bench_endpoint(args: argparse.Namespace) -> int:
     server, one run (``--input-len``, ``--trace``, or by default an input that fits the served context) or a sweep
     over ``--contexts``; with ``--gpu`` and ``--model-preset``, each context's median TPOT beside ``kvlab
     predict``'s."""
-    from kvlab.endpoint import (
+    from kvlab.serving.client import (
         BACKENDS,
         ENDPOINT_TYPES,
         EndpointError,
@@ -668,9 +668,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """``kvlab serve --model NAME``: the engine behind an OpenAI-compatible API (``kvlab.serve``)."""
+    """``kvlab serve --model NAME``: the engine behind an OpenAI-compatible API (``kvlab.serving.server``)."""
     from kvlab.engine.engine import Engine
-    from kvlab.serve import Server, load_model, run_server
+    from kvlab.serving.server import Server, load_model, run_server
 
     port = _count(args.port, "--port")
     if port > 65535:

@@ -1,4 +1,4 @@
-"""Percentile summaries with vLLM's field names, torch-free so that ``kvlab.endpoint`` (a client) loads fast.
+"""Percentile summaries with vLLM's field names, torch-free so that ``kvlab.serving.client`` (a client) loads fast.
 
 ``kvlab.measure.sweep`` re-exports these names, where the lessons import them from.
 """

@@ -172,12 +172,12 @@ def scripted_server() -> Iterator[ScriptedServer]:
 
 
 def save_word_tokenizer(folder: str) -> str:
-    """A Hugging Face tokenizer saved to ``folder`` (returned): one token per word of ``kvlab.endpoint.WORDS``,
+    """A Hugging Face tokenizer saved to ``folder`` (returned): one token per word of ``kvlab.serving.client.WORDS``,
     split on whitespace, as ``--tokenizer`` would load a real one."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from kvlab.endpoint import WORDS
+    from kvlab.serving.client import WORDS
 
     vocab = {"[UNK]": 0} | {w: i + 1 for i, w in enumerate(sorted(set(WORDS)))}
     core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))

@@ -1,4 +1,4 @@
-"""kvlab.endpoint against scripted servers: what a token chunk is, the warm-up, prompts, probes, defaults, errors,
+"""kvlab.serving.client against scripted servers: what a token chunk is, the warm-up, prompts, probes, defaults, errors,
 arrivals and the ``kvlab bench --endpoint`` command line. Most run in-process through ``httpx.ASGITransport``,
 which hands over a response whole, so they check what is counted, not when it arrived: latencies against an exact
 schedule on a real socket, and beside vLLM's client, are in test_endpoint_timing.py."""
@@ -13,7 +13,7 @@ import sys
 import httpx
 import pytest
 
-from kvlab.endpoint import (
+from kvlab.serving.client import (
     WORDS,
     EndpointError,
     Prompt,
@@ -283,7 +283,7 @@ def test_it_runs_from_inside_an_event_loop_as_in_a_notebook():
 
 
 def test_importing_the_client_loads_no_torch():
-    code = "import sys, kvlab.endpoint; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, kvlab.serving.client; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 

@@ -22,7 +22,14 @@ from dataclasses import replace
 import httpx
 import pytest
 
-from kvlab.endpoint import RequestOptions, ServerFacts, load_tokenizer, random_prompts, request_body, run_benchmark
+from kvlab.serving.client import (
+    RequestOptions,
+    ServerFacts,
+    load_tokenizer,
+    random_prompts,
+    request_body,
+    run_benchmark,
+)
 
 from .helpers import run_cli
 from .scripted_sse import Script, ScriptedServer, save_word_tokenizer, scripted_server

@@ -21,7 +21,7 @@ from kvlab.cli import main
 from kvlab.engine.engine import Engine
 from kvlab.model.decoder import Decoder
 from kvlab.model.tokenizer import VOCAB_SIZE, encode
-from kvlab.serve import Server, TextStream, decode_text, encode_text
+from kvlab.serving.server import Server, TextStream, decode_text, encode_text
 
 from .helpers import run_cli, tiny_config
 

@@ -16,7 +16,7 @@ import torch
 from kvlab.engine.engine import Engine
 from kvlab.model.decoder import Decoder
 from kvlab.model.tokenizer import encode
-from kvlab.serve import Server, StopText, decode_text, token_text
+from kvlab.serving.server import Server, StopText, decode_text, token_text
 
 from .test_serve import CFG, NAME, serving, solo_text, wait_for_free_blocks
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kvlab.engine.engine import Engine
 from kvlab.model.decoder import Decoder
-from kvlab.serve import Server
+from kvlab.serving.server import Server
 
 from .test_serve import CFG, NAME, serving, wait_for_free_blocks
 
