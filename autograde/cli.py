@@ -109,7 +109,7 @@ def kernel_env(root: Path) -> dict[str, str]:
       modules import (before a lesson's setup cell filters them) and progress bars would.
     - MPLBACKEND: plots go into the notebook, never to a window.
     - KVLAB_REPLAY_CACHE (unless set already): ``autograde/replays/``, where the kernels keep the capstone's
-      replays that every submission runs alike, so only the first submission pays for them (``kvlab.disk_memo``).
+      replays that every submission runs alike, so only the first submission pays for them (``kvlab.course.disk_memo``).
     """
     env = dict(os.environ)
     env.setdefault("KVLAB_REPLAY_CACHE", str(root / "autograde" / "replays"))

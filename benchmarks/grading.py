@@ -6,7 +6,7 @@
 Each lesson is released into a temporary copy of the course, and a submission answered with the solution's code
 is graded twice over with ``python -m autograde autograde LESSON``:
 
-- **first**: the first student's alone, on an empty replay cache (``kvlab.disk_memo``: the capstone keeps there
+- **first**: the first student's alone, on an empty replay cache (``kvlab.course.disk_memo``: the capstone keeps there
   the replays every submission runs alike);
 - **each**: then ``--students`` submissions together (the first again, and others), once the cache holds what
   the first one stored: what each further submission of a class costs.

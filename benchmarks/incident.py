@@ -3,7 +3,7 @@
     python benchmarks/incident.py                   # the lesson's traces (PUBLIC_SEEDS)
     python benchmarks/incident.py --seeds 3,4,5      # traces the lesson does not explore
 
-The at-scale half is the engine's simulated clock (``kvlab.incident``), so it prints the same numbers on any
+The at-scale half is the engine's simulated clock (``kvlab.course.incident``), so it prints the same numbers on any
 machine; the quality half runs the checkpoint on this CPU (greedy, so the same numbers up to a near-tie), and
 the wall times of both depend on the machine.
 """
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from kvlab.incident import INCIDENT, PUBLIC_SEEDS, Fix
+from kvlab.course.incident import INCIDENT, PUBLIC_SEEDS, Fix
 from kvlab.model.pretrained import load_pretrained
 
 FIXES = (

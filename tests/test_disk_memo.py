@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from kvlab import disk_memo, incident
-from kvlab.disk_memo import CACHE_ENV, remembered
-from kvlab.incident import INCIDENT, Fix
+from kvlab.course.disk_memo import CACHE_ENV, remembered
+from kvlab.course.incident import INCIDENT, Fix
 
 
 class Counter:

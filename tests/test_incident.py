@@ -10,8 +10,7 @@ import torch
 
 from autograde import hidden
 from kvlab.course import lesson11_capstone_incident as lesson11
-from kvlab.engine.engine import Engine, Request
-from kvlab.incident import (
+from kvlab.course.incident import (
     INCIDENT,
     SCALE,
     ChatTrace,
@@ -26,6 +25,7 @@ from kvlab.incident import (
     replay,
     with_passkeys,
 )
+from kvlab.engine.engine import Engine, Request
 from kvlab.measure.session import turns_to_drop
 from kvlab.model.decoder import Decoder
 from kvlab.model.pretrained import load_pretrained

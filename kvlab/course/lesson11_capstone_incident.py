@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvlab.course.grading import _call, _close, _exact_int, _fail, _is_real, _label
-from kvlab.incident import INCIDENT, PUBLIC_SEEDS, Fix, Incident, pool_tokens
+from kvlab.course.incident import INCIDENT, PUBLIC_SEEDS, Fix, Incident, pool_tokens
 from kvlab.model.decoder import Decoder
 from kvlab.roofline.bytes import kv_bytes_per_step, kv_bytes_per_token, weight_bytes_read
 from kvlab.spec.config import ModelConfig
@@ -164,7 +164,7 @@ def check_fix(
     missed (the SLOs and floors are the lesson's own public numbers), but not the measurements on its traces.
     """
     if not isinstance(fix, Fix):
-        _fail("fix", fix, "a kvlab.incident.Fix", "Build it with Fix(prefix_caching=..., kv_dtype=..., ...).")
+        _fail("fix", fix, "a kvlab.course.incident.Fix", "Build it with Fix(prefix_caching=..., kv_dtype=..., ...).")
     try:
         verdict = incident.judge(fix, seeds, model)
     except ValueError as e:

@@ -34,7 +34,7 @@ import torch
 
 from kvlab.cache.base import KVCache
 from kvlab.cache.policy.window import WindowKVCache
-from kvlab.disk_memo import remembered
+from kvlab.course.disk_memo import remembered
 from kvlab.engine.engine import Clock, Engine, Request, RunReport, SimulatedClock
 from kvlab.measure.quality import default_cache, perplexity
 from kvlab.measure.session import turns_to_drop
@@ -274,7 +274,7 @@ def replay(
 ) -> Replay:
     """Play ``trace`` through an ``Engine`` over ``model`` with ``fix``'s levers (module docstring)."""
     if not isinstance(fix, Fix):
-        raise ValueError(f"fix: {fix!r}; allowed: a kvlab.incident.Fix")
+        raise ValueError(f"fix: {fix!r}; allowed: a kvlab.course.incident.Fix")
     if fix.session_cap is not None:
         longest = max(len(t.user) + t.reply_tokens for s in trace.sessions for t in s.turns)
         if fix.session_cap < len(trace.system) + longest:
@@ -470,7 +470,7 @@ def _trace(shape: TraceShape, seed: int) -> ChatTrace:
 def _at_scale(incident: Incident, fix: Fix, seed: int) -> Replay:
     """``Incident.at_scale``, remembered: the simulated clock makes a replay a function of its fix and seed, and a
     lesson replays the same ones more than once (its plots, its check, its report); a grader's kernels share them
-    on disk (``kvlab.disk_memo``: every submission replays today's service and the lesson's candidates)."""
+    on disk (``kvlab.course.disk_memo``: every submission replays today's service and the lesson's candidates)."""
     compute = partial(at_scale, incident.trace(seed), fix, incident.cfg, incident.gpu)
     return remembered("at-scale", (incident, fix, seed), compute)
 
