@@ -643,7 +643,7 @@ def _endpoint_notes(tokens_per_char: float | None, tokenizer: str | None, counte
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from kvlab.report import DEFAULT_CONTEXT, build_report, summary_lines, write_report
+    from kvlab.report.build import DEFAULT_CONTEXT, build_report, summary_lines, write_report
 
     target = resolve_target(args)
     # The default is clipped to a shorter model's max context; a context the team gives is not.

@@ -35,7 +35,7 @@ LEVELS: tuple[tuple[str, ...], ...] = (
      "kvlab.measure.quality", "kvlab.serving.server", "kvlab.measure.session", "kvlab.model.hf", "kvlab.model.pretrained", "kvlab.engine.speculative",
      "kvlab.measure.train"),
     ("kvlab.course", "kvlab.course.*", "kvlab.checks"),
-    ("kvlab.cli", "kvlab.report"),
+    ("kvlab.cli", "kvlab.report.build"),
 )  # fmt: skip
 TORCH_FREE_LEVELS = 1  # the arithmetic: `kvlab predict` and the byte model never wait for torch
 OPTIONAL = {"kvlab.kernels.triton": "triton"}  # modules of an extra (kvlab[gpu]): the package each needs

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvlab.report import LESSONS, quality_table, quality_table_from_measurements
+from kvlab.report.build import LESSONS, quality_table, quality_table_from_measurements
 from kvlab.roofline.bytes import crossover_context
 from kvlab.spec.presets import model_presets
 from tests.helpers import run_cli
@@ -262,7 +262,7 @@ def test_measure_adds_this_machines_sweep(capsys, tmp_path: Path) -> None:
 
 
 def test_the_speculative_draft_always_shares_the_targets_vocabulary() -> None:
-    from kvlab.report import _speculative_assumption
+    from kvlab.report.build import _speculative_assumption
     from kvlab.spec.presets import get_model, same_vocabulary
 
     kinds = {}
