@@ -1,7 +1,7 @@
 """Shared fixtures: where a test runs (``target``: CPU in fp32, CPU in bf16, CUDA in bf16), and a temporary copy of
 the course, released by nbgrader, for tests that write grading files.
 
-Tests marked ``gpu`` need CUDA and are skipped without it; ``pytest -m gpu`` runs only them (``bench/gpu_check.py``
+Tests marked ``gpu`` need CUDA and are skipped without it; ``pytest -m gpu`` runs only them (``benchmarks/gpu_check.py``
 does, on a lent GPU).
 """
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from kvlab import disk_memo, incident
+from kvlab.course import disk_memo, incident
 from kvlab.course.disk_memo import CACHE_ENV, remembered
 from kvlab.course.incident import INCIDENT, Fix
 

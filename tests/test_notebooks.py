@@ -71,7 +71,7 @@ APPENDIX = sorted(p.name for p in (REPO / "appendix").glob("*.ipynb"))
 @pytest.mark.parametrize("name", APPENDIX)
 def test_appendix_runs_in_quick_mode(name, tmp_path, monkeypatch):
     """The appendix notebooks (not graded) run cleanly in quick mode: the serving one starts kvlab serve, measures it
-    through the API and stops it; the GPU one runs bench/gpu_check.py's dry run where no GPU run is recorded."""
+    through the API and stops it; the GPU one runs benchmarks/gpu_check.py's dry run where no GPU run is recorded."""
     from nbclient import NotebookClient
 
     nb = nbformat.read(REPO / "appendix" / name, as_version=4)

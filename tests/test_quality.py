@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from kvlab import quality
+from kvlab.measure import quality
 from kvlab.cache.base import default_cache
 from kvlab.cache.codec.kivi import QuantizedKVCache
 from kvlab.cache.policy.heavy_hitters import HeavyHitterKVCache

@@ -1,7 +1,7 @@
 """Everything a lent GPU is for, in one run of under 8 minutes: correctness on CUDA, then the measurements.
 
-    python bench/gpu_check.py --device cuda --out gpu_check/          # on a GPU (an H200 took the budget below)
-    python bench/gpu_check.py --device cpu --quick --out gpu_check_cpu/   # the dry run CI makes, in seconds
+    python benchmarks/gpu_check.py --device cuda --out gpu_check/          # on a GPU (an H200 took the budget below)
+    python benchmarks/gpu_check.py --device cpu --quick --out gpu_check_cpu/   # the dry run CI makes, in seconds
 
 Sections, each run on its own so one failure is recorded (with its traceback) and the rest still run:
 
