@@ -10,7 +10,8 @@ from torch.testing import assert_close
 from kvlab import ContiguousKVCache, Decoder
 from kvlab.cache.base import CacheShape
 from kvlab.cache.codec.codecs import CODECS, IntCodec, get_codec, pack_codes, unpack_codes
-from kvlab.cache.codec.kivi import QuantizedKVCache, codec_error, folded_value_product, int8_key_scores
+from kvlab.cache.codec.kivi import QuantizedKVCache, codec_error
+from kvlab.kernels.int8 import folded_value_product, int8_key_scores
 
 from .helpers import tiny_config
 
@@ -183,7 +184,8 @@ def test_int8_key_scores_err_by_at_most_the_query_rounding(d, group_size, g):
     qs = _randn(2, 2, g, d, seed=11)
     # q is rounded to int8 with step sigma = max|q| / 127, so each score moves by at most sigma/2 * sum|k|.
     bound = qs.abs().amax(-1, keepdim=True) / 127 / 2 * k_hat.abs().sum(-1).unsqueeze(-2)
-    err = (int8_key_scores(qs, keys, codec) - qs @ k_hat.transpose(-1, -2)).abs()
+    scores = int8_key_scores(qs, keys.payload, keys.scale, codec.bias(keys), group_size)
+    err = (scores - qs @ k_hat.transpose(-1, -2)).abs()
     assert torch.all(err <= bound * (1 + 1e-4) + 1e-5)
     assert err.max() > 0  # q really was rounded
 
@@ -194,7 +196,12 @@ def test_folding_value_scales_into_p_equals_dequantizing_the_values(name, group_
     codec = get_codec(name)
     values = codec.encode(_randn(2, 3, 24, 10, seed=12), CHANNELS, group_size)
     p = torch.softmax(_randn(2, 3, 4, 24, seed=13), dim=-1)
-    folded = folded_value_product(p, values, codec, torch.empty(2, 3, 16, 10))  # chunks of 16: 24 = 16 + 8
+
+    def codes(start: int, n: int) -> torch.Tensor:
+        return codec.codes(values.narrow(2, start, n))
+
+    scratch = torch.empty(2, 3, 16, 10)  # chunks of 16: 24 = 16 + 8
+    folded = folded_value_product(p, codes, values.scale, codec.bias(values), group_size, scratch)
     # Scales applied before or after the sum over 24 tokens: each of the 24 products (|v| < 4) rounds differently,
     # so an output near 0 can be off by up to ~24 x 2^-24 x 4 = 6e-6 (1e-6 seen); a wrong scale moves it by a share
     # of the value itself.

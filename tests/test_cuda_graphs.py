@@ -6,7 +6,8 @@ from torch.testing import assert_close
 
 from kvlab import CacheCapacityError, Decoder
 from kvlab.cache import CacheShape
-from kvlab.engine.cuda_graphs import GraphedDecodeStep, StaticKVCache
+from kvlab.cache.storage.slab import StaticKVCache
+from kvlab.engine.cuda_graphs import GraphedDecodeStep
 
 from .helpers import assert_greedy_picks, tiny_config
 

@@ -292,7 +292,7 @@ def test_an_encoded_latent_cache_attends_as_fp32_over_the_decoded_latents(kv_dty
     # left is the kernels: one softmax over the decoded slab against a chunked online softmax, as STEP_TOL allows.
     model = mla_model(absorb=absorb, n_layers=1)
     tokens = random_tokens(2, 30, seed=17)
-    reference = DecodedLatents(CacheShape.of(model), 2, 30, kv_dtype)
+    reference = DecodedLatents(CacheShape.from_config(model.cfg, model.device), 2, 30, kv_dtype)
     expected = stepwise_logits(model, tokens, [5, 9], cache=reference)
     assert_close(stepwise_logits(model, tokens, [5, 9], kv_dtype), expected, **STEP_TOL)
 

@@ -84,7 +84,7 @@ class MaskedFullCache(ContiguousKVCache):
     own sliding window allows it."""
 
     def __init__(self, model: Decoder, visible) -> None:
-        super().__init__(CacheShape.of(model), B, N)
+        super().__init__(CacheShape.from_config(model.cfg, model.device), B, N)
         self.visible = visible
 
     def mask(self, layer: int, t: int, window: int | None) -> torch.Tensor:

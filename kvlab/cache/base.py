@@ -28,17 +28,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from kvlab.spec.config import ModelConfig
 from kvlab.spec.dtypes import KV_DTYPES, canonical_dtype, to_torch
 from kvlab.spec.validation import require_int
 
 if TYPE_CHECKING:
     from typing import Self
-
-    from kvlab.model.decoder import Decoder
 
 FLOAT_DTYPES = ("fp32", "fp16", "bf16")
 Rotate = Callable[[torch.Tensor], torch.Tensor]  # queries turned by RoPE through a shift of positions
@@ -88,10 +87,10 @@ class CacheShape:
                 )
 
     @classmethod
-    def of(cls, model: Decoder) -> CacheShape:
-        """The shape of ``model``'s cache: its KV heads, or for MLA the latent ``[c_kv | k_rope]``."""
-        cfg = model.cfg
-        device = str(model.device)
+    def from_config(cls, cfg: ModelConfig, device: str | torch.device = "cpu") -> CacheShape:
+        """The cache shape of a model built from ``cfg`` on ``device``: its KV heads, or for MLA the latent
+        ``[c_kv | k_rope]``."""
+        device = str(device)
         if cfg.mla is not None:
             m = cfg.mla
             return cls(cfg.n_layers, 1, m.kv_lora_rank + m.qk_rope_head_dim, cfg.dtype, device, m.kv_lora_rank)
@@ -153,7 +152,7 @@ class KVCache(ABC):
     def __init__(self, shape: CacheShape, batch_size: int = 1, capacity: int | None = None) -> None:
         if not isinstance(shape, CacheShape):
             raise ValueError(
-                f"shape: {type(shape).__name__}; allowed: a kvlab.cache.CacheShape (CacheShape.of(model), or "
+                f"shape: {type(shape).__name__}; allowed: a kvlab.cache.CacheShape (CacheShape.from_config(cfg, device), or "
                 "Cache.for_model(model, ...))"
             )
         require_int("batch_size", batch_size, 1)
@@ -164,9 +163,10 @@ class KVCache(ABC):
         self.batch_size, self.capacity = batch_size, capacity
 
     @classmethod
-    def for_model(cls, model: Decoder, batch_size: int = 1, capacity: int | None = None, **options: Any) -> Self:
-        """A cache shaped for ``model`` (``CacheShape.of(model)``); ``options`` are the cache's own."""
-        return cls(CacheShape.of(model), batch_size, capacity, **options)
+    def for_model(cls, model: Model, batch_size: int = 1, capacity: int | None = None, **options: Any) -> Self:
+        """A cache shaped for ``model`` (``CacheShape.from_config(model.cfg, model.device)``); ``options`` are the
+        cache's own."""
+        return cls(CacheShape.from_config(model.cfg, model.device), batch_size, capacity, **options)
 
     @staticmethod
     def _required_capacity(capacity: int | None, cache: str) -> int:
@@ -354,10 +354,19 @@ class SlabKVCache(KVCache):
         self._start = min(self._start, length)
 
 
-CacheFactory = Callable[["Decoder", int, int], KVCache]
+class Model(Protocol):
+    """What the cache layer needs of a model (``kvlab.model.Decoder`` is one), so that it never imports the model."""
+
+    cfg: ModelConfig
+    device: torch.device
+
+    def new_cache(self, batch_size: int = 1, capacity: int | None = None) -> KVCache: ...
+
+
+CacheFactory = Callable[[Model, int, int], KVCache]
 """``make_cache(model, batch_size, capacity) -> KVCache``: how sweeps, quality runs and sessions build caches."""
 
 
-def default_cache(model: Decoder, batch_size: int, capacity: int) -> KVCache:
+def default_cache(model: Model, batch_size: int, capacity: int) -> KVCache:
     """The cache factory used when none is given: the model's own ``new_cache``."""
     return model.new_cache(batch_size, capacity)

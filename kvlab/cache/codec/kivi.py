@@ -50,6 +50,7 @@ import torch
 from kvlab.cache.base import CacheShape, Rotate, SlabKVCache, refuse_latent, refuse_window
 from kvlab.cache.codec.codecs import Codec, Encoded, IntCodec, get_codec
 from kvlab.cache.codec.stores import fused_kernels
+from kvlab.kernels.int8 import folded_value_product, int8_key_scores
 from kvlab.kernels.reference import (
     attend_slab,
     decode_attention,
@@ -318,8 +319,12 @@ class QuantizedKVCache(SlabKVCache):
         ring_k = self._ring_views(self._ring_k[layer], n_quant, self._length)
         ring_v = self._ring_views(self._ring_v[layer], n_quant, self._length)
         residual_scores = [torch.matmul(qs, k.float().transpose(-1, -2)) for k in ring_k]
-        p = torch.softmax(torch.cat([int8_key_scores(qs, keys, self.codec), *residual_scores], dim=-1), dim=-1)
-        out = folded_value_product(p[..., :n_quant], values, self.codec, self._scratch[1])
+        key_scores = int8_key_scores(qs, keys.payload, keys.scale, self.codec.bias(keys), keys.group_size)
+        p = torch.softmax(torch.cat([key_scores, *residual_scores], dim=-1), dim=-1)
+        value_codes = functools.partial(_codes_of_tokens, self.codec, values)
+        out = folded_value_product(
+            p[..., :n_quant], value_codes, values.scale, self.codec.bias(values), values.group_size, self._scratch[1]
+        )
         start = n_quant
         for v in ring_v:
             out.add_(torch.matmul(p[..., start : start + v.shape[2]], v.float()))
@@ -327,65 +332,9 @@ class QuantizedKVCache(SlabKVCache):
         return out
 
 
-def int8_key_scores(qs: torch.Tensor, keys: Encoded, codec: IntCodec) -> torch.Tensor:
-    """``q . k`` for int8 keys grouped per token, computed as integer dot products on the stored codes.
-
-    ``qs``: ``[B, Hkv, g, D]`` fp32; ``keys``: ``[B, Hkv, S, D]`` int8, grouped on the channel dim (dim 3) in
-    ``nJ`` groups of G. Returns ``[B, Hkv, g, S]``. With ``k ~= scale * code + bias`` per (token, channel group)
-    and q quantized per row as ``q ~= sigma * qi``, channel group j contributes
-    ``sigma * scale_j * (qi_j . code_j) + bias_j * sum(q_j)``: one int8 matmul per head, then fp32 work over
-    ``[nJ, g, S]`` only, ``D / (g * nJ)`` times less than the keys.
-    """
-    b, h, g, d = qs.shape
-    n_tokens, n_groups = keys.shape[2], math.ceil(d / keys.group_size)
-    sigma = qs.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127
-    qi = torch.round(qs / sigma).to(torch.int8)
-    # Row (j, r) of the left operand keeps query r's channels of group j and zeros elsewhere, so one matmul per
-    # head returns every group's partial dot products while reading the codes once. Built fresh, so each
-    # [rows, D] slice has ordinary strides: torch 2.13's CPU _int_mm returns wrong sums for a [1, D] operand
-    # with strides (1, 1), the kind a transposed column has.
-    blocks = (qi.unsqueeze(2) * _group_mask(d, keys.group_size, qs.device)[:, None, :]).reshape(b, h, -1, d)
-    dots = torch.empty(b, h, n_groups * g, n_tokens, dtype=torch.int32, device=qs.device)
-    for bi in range(b):
-        for hd in range(h):
-            # Codes as a transposed view on the right ran several times faster on CPU than codes @ q.T.
-            torch._int_mm(blocks[bi, hd], keys.payload[bi, hd].T, out=dots[bi, hd])
-    scale = keys.scale.float().transpose(-1, -2).unsqueeze(-2)  # [B, Hkv, nJ, 1, S]
-    weighted = (dots.view(b, h, n_groups, g, n_tokens).float() * scale).sum(dim=2)
-    q_sums = torch.matmul(qs, _group_mask(d, keys.group_size, qs.device).T.float())  # [B, Hkv, g, nJ]
-    scores = torch.matmul(q_sums, codec.bias(keys).transpose(-1, -2))  # the bias terms, [B, Hkv, g, S]
-    return scores.addcmul_(weighted, sigma)
-
-
-def folded_value_product(p: torch.Tensor, values: Encoded, codec: IntCodec, buf: torch.Tensor) -> torch.Tensor:
-    """``p @ decode(values)`` for integer values grouped per token, with the scales folded into ``p``.
-
-    ``p``: ``[B, Hkv, M, n]``; ``values``: ``[B, Hkv, n, D]`` grouped on the channel dim in ``nJ`` groups;
-    ``buf``: fp32 scratch ``[B, Hkv, c, D]``, whose length ``c`` sets the chunk. Returns ``[B, Hkv, M, D]``.
-    Since ``v ~= scale * code + bias`` per (token, channel group), channel group j of the result is
-    ``(p * scale_j) @ code_j + p @ bias_j``. The codes are converted to fp32 a chunk at a time and never scaled
-    (dequantizing would cost two more passes over each chunk); each chunk takes one matmul for all groups.
-    """
-    b, h, m, n = p.shape
-    size, d, chunk = values.group_size, values.shape[-1], buf.shape[2]
-    n_groups = math.ceil(d / size)
-    # [B*Hkv, nJ*M, n]: p scaled by each channel group's per-token scale; rows of group j are only kept for
-    # group j's channels at the end, so one matmul per chunk serves every group.
-    weights = (p.unsqueeze(2) * values.scale.float().transpose(-1, -2).unsqueeze(3)).reshape(b * h, n_groups * m, n)
-    acc = torch.zeros(b * h, n_groups * m, d, device=p.device)
-    for start in range(0, n, chunk):
-        c = min(chunk, n - start)
-        codes = buf[:, :, :c].copy_(codec.codes(values.narrow(_TOKEN_DIM, start, c)))
-        acc.baddbmm_(weights[..., start : start + c], codes.view(b * h, c, d))
-    acc = acc.view(b, h, n_groups, m, d)
-    out = torch.cat([acc[:, :, j, :, lo : lo + size] for j, lo in enumerate(range(0, d, size))], dim=-1)
-    return out.add_(torch.matmul(p, codec.bias(values)).repeat_interleave(size, dim=-1)[..., :d])
-
-
-def _group_mask(d: int, size: int, device: torch.device) -> torch.Tensor:
-    """``[nJ, D]`` bool: channel c belongs to group ``c // size``."""
-    channels = torch.arange(d, device=device)
-    return channels[None, :] // size == torch.arange(math.ceil(d / size), device=device)[:, None]
+def _codes_of_tokens(codec: IntCodec, enc: Encoded, start: int, n: int) -> torch.Tensor:
+    """Tokens ``start .. start + n`` of ``enc``'s integer codes, unpacked: ``[B, Hkv, n, D]``."""
+    return codec.codes(enc.narrow(_TOKEN_DIM, start, n))
 
 
 def codec_error(

@@ -46,7 +46,7 @@ class LatentKVCache(SlabKVCache):
     ) -> None:
         if shape.latent_values is None:
             raise ValueError(
-                f"shape: {shape} has no latent_values; allowed: an MLA latent's shape (CacheShape.of(an MLA model), "
+                f"shape: {shape} has no latent_values; allowed: an MLA latent's shape (CacheShape.from_config(an MLA config), "
                 "or CacheShape(n_layers, 1, r + p, latent_values=r))"
             )
         super().__init__(shape, batch_size, capacity)
