@@ -27,9 +27,9 @@ from kvlab.course import (
     lesson11_capstone_incident,
 )
 from kvlab.engine.engine import Engine, Request, RequestResult, RunReport, SimulatedClock
-from kvlab.measure.sweep import RequestTiming
+from kvlab.metrics import RequestTiming
 from kvlab.model.decoder import Decoder
-from kvlab.roofline.bytes import kv_bytes_per_token, weight_bytes
+from kvlab.roofline import kv_bytes_per_token, weight_bytes
 from kvlab.spec.config import MLAConfig, ModelConfig, MoEConfig
 from kvlab.spec.presets import get_model
 from kvlab.spec.published import PublishedDecode

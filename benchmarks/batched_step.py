@@ -16,7 +16,7 @@ the square rate. So, for each batch B, everything in one interleaved loop (media
 4. the read bandwidth probe, and once, the square matmul rate (``kvlab.machine.timing.measure_matmul_flops``).
 
 Predicted, per B (KV bytes over the read bandwidth added to each, for attention):
-- bytes: the weight bytes a step reads over the read bandwidth (``kvlab.roofline.bytes``), what ``kvlab predict`` says;
+- bytes: the weight bytes a step reads over the read bandwidth (``kvlab.roofline``), what ``kvlab predict`` says;
 - roofline, square: the larger of the step's bytes over bandwidth and its FLOPs over the square rate;
 - roofline, skinny: per product, the larger of its bytes over bandwidth and its FLOPs over that shape's skinny
   rate at B, summed.
@@ -47,7 +47,7 @@ from kvlab.machine.timing import (
     time_interleaved,
 )
 from kvlab.measure.breakdown import layer_weights
-from kvlab.roofline.bytes import decode_flops, kv_bytes_per_step, roofline_time_ms, weight_bytes_read
+from kvlab.roofline import decode_flops, kv_bytes_per_step, roofline_time_ms, weight_bytes_read
 
 SKINNY_REPEATS = 8  # products per timed call of a cache-resident weight: one is too short for the clock
 

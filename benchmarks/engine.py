@@ -25,7 +25,7 @@ import torch
 import kvlab
 from kvlab.engine.engine import Engine, Request, RunReport, SimulatedClock
 from kvlab.machine.timing import machine_info, measure_bandwidth, measure_matmul_flops
-from kvlab.measure.sweep import percentile
+from kvlab.metrics import percentile
 from kvlab.model.decoder import Decoder
 
 

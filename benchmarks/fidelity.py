@@ -34,7 +34,7 @@ from kvlab import Decoder, get_model
 from kvlab.cli import parse_tokens
 from kvlab.machine.timing import Bandwidth, bandwidth_buffer_mb, machine_info, measure_bandwidth, time_interleaved
 from kvlab.measure.sweep import sweep_context
-from kvlab.roofline.bytes import predict_tpot_ms
+from kvlab.roofline import predict_tpot_ms
 
 
 def compare_with_transformers(model: Decoder, context: int, steps: int) -> dict[str, float]:

@@ -48,8 +48,9 @@ from kvlab.cache.codec.stores import fused_kernels
 from kvlab.cache.storage.slab import StaticKVCache
 from kvlab.engine.cuda_graphs import GraphedDecodeStep
 from kvlab.machine.timing import Bandwidth, bandwidth_buffer_mb, cpu_name, machine_info, measure_bandwidth, time_call
-from kvlab.measure.sweep import fit_line, sweep_context
-from kvlab.roofline.bytes import predict_tpot_ms, weight_bytes_read
+from kvlab.measure.sweep import sweep_context
+from kvlab.metrics import fit_line
+from kvlab.roofline import predict_tpot_ms, weight_bytes_read
 from kvlab.spec.dtypes import canonical_dtype
 
 REPO = Path(__file__).resolve().parent.parent

@@ -10,7 +10,7 @@ decoding throughout, so the speculative output is checked to equal plain decodin
 the acceptance rate, the tokens per verify step, two predicted speedups and the measured one (plain decoding time /
 speculative time for the same tokens, interleaved, median of repeats):
 
-- bytes: ``kvlab.roofline.bytes.predict_speculative``, the target's bytes per step once per round and the draft's k
+- bytes: ``kvlab.roofline.predict_speculative``, the target's bytes per step once per round and the draft's k
   times, as if every call cost its bytes alone (a verify step of k + 1 positions costing one decode step);
 - cost: the same runs, with each call's measured time instead of its bytes: ``T(n)`` a target call over ``n``
   positions (``kvlab.engine.speculative.time_verify_steps``; ``T(1)`` is a plain decode step), ``D`` a draft step.
@@ -32,7 +32,7 @@ import torch
 from kvlab.engine.speculative import PROMPT_LOOKUP, inflate_mlp, speculative_generate, time_verify_steps
 from kvlab.machine.timing import machine_info, time_interleaved
 from kvlab.model.pretrained import bos_token, heldout_tokens, list_pretrained, load_pretrained
-from kvlab.roofline.bytes import predict, predict_speculative
+from kvlab.roofline import predict, predict_speculative
 
 
 def main(argv: list[str] | None = None) -> None:

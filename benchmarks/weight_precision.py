@@ -6,7 +6,7 @@ term and the KV slope both show) and what it costs the shipped checkpoint in per
     python benchmarks/weight_precision.py --quick               # few repeats, few tokens: a smoke run
 
 Speed: ``Decoder(cfg, weight_dtype=...)`` for fp32, int8, bf16 and fp16, each stepped once per round in turn, at
-``--context`` 1 and at ``--long`` tokens; the predicted step is its weight bytes (``kvlab.roofline.bytes``, from the
+``--context`` 1 and at ``--long`` tokens; the predicted step is its weight bytes (``kvlab.roofline``, from the
 precision in ``cfg.weight_dtypes``) plus its KV bytes over the read bandwidth measured in the same rounds.
 bf16 and fp16 run natively only where oneDNN reports AVX512-BF16/AMX/AVX512-FP16; elsewhere every product
 converts each weight to fp32 first, and the step shows it.
@@ -31,7 +31,7 @@ from kvlab.machine.timing import CLOCKS, bandwidth_buffer_mb, load_average, mach
 from kvlab.measure.quality import CHANCE, needle_recall, perplexity
 from kvlab.model.pretrained import bos_token, heldout_tokens, list_pretrained, load_pretrained
 from kvlab.model.weights import WEIGHT_DTYPES, native_half
-from kvlab.roofline.bytes import kv_bytes_per_step, weight_bytes_read
+from kvlab.roofline import kv_bytes_per_step, weight_bytes_read
 
 
 def in_precision(cfg, state: dict, dtype: str) -> Decoder:

@@ -33,7 +33,7 @@ from kvlab import Decoder, get_model
 from kvlab.machine.timing import CLOCKS, bandwidth_buffer_mb, load_average, machine_info, time_interleaved
 from kvlab.measure.breakdown import layer_weights
 from kvlab.model.weights import WeightFormat
-from kvlab.roofline.bytes import weight_bytes_read
+from kvlab.roofline import weight_bytes_read
 
 # llama.cpp 0c1e570 on cpu-small converted to GGUF F32, zero-context step, 2-core AMD EPYC Zen 3
 # (docs/cpu_performance.md, section A): ms at one and two threads.

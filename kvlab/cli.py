@@ -8,7 +8,7 @@
 
 A bad argument prints one line naming it and the allowed values, and exits with status 2. Only ``bench``, ``serve``
 and ``report --measure`` load torch: ``predict``, ``report``, ``models`` and ``gpus`` are arithmetic over the presets
-(``kvlab.roofline.bytes``).
+(``kvlab.roofline``).
 """
 
 from __future__ import annotations
@@ -17,24 +17,25 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
-from kvlab.roofline.bytes import (
+from kvlab.roofline import (
     Prediction,
     SpeculativePrediction,
+    Target,
     acceptance_from_rate,
     active_params,
+    gb_text,
     kv_bytes_per_token,
     param_count,
     predict,
-    predict_speculative,
-    verify_bytes_per_step,
+    predict_json,
+    speculate,
 )
 from kvlab.spec.config import ModelConfig
 from kvlab.spec.dtypes import BYTES_PER_ELEMENT, KV_DTYPES, canonical_dtype
 from kvlab.spec.presets import (
-    GPU,
     draft_of,
     draft_presets,
     get_gpu,
@@ -42,7 +43,6 @@ from kvlab.spec.presets import (
     gpu_presets,
     model_presets,
     params_verified,
-    same_vocabulary,
     served_context,
 )
 from kvlab.spec.published import HARDWARE_CLASSES
@@ -146,10 +146,6 @@ def _usage(lookup, name: str, field: str):
         raise UsageError(str(e)) from None
 
 
-def _gb(n: float) -> str:
-    return f"{n / 1e9:,.2f} GB"
-
-
 def _policy_note(p) -> str:
     notes = []
     if p.window is not None:
@@ -177,18 +173,6 @@ def _read_note(cfg: ModelConfig, p) -> str:
     return "; ".join(notes)
 
 
-@dataclass(frozen=True)
-class Target:
-    """What ``predict`` and ``report`` share: the model, where its bandwidth comes from, and its memory (GB or None)."""
-
-    cfg: ModelConfig
-    bandwidth_gbps: float
-    bandwidth_source: str
-    gpu: GPU | None
-    memory_gb: float | None
-    hardware_class: str | None = None  # which published measurements the real-system range compares against
-
-
 def resolve_target(args: argparse.Namespace) -> Target:
     """``--model``/``--config``, ``--gpu``/``--bandwidth`` and ``--hardware-class``, checked."""
     cfg = _load_config(args)
@@ -199,23 +183,20 @@ def resolve_target(args: argparse.Namespace) -> Target:
     return Target(cfg, _positive_float(args.bandwidth, "--bandwidth"), "given", None, None, args.hardware_class)
 
 
-def run_predict(cfg: ModelConfig, context: int, bandwidth: float, batch: int, **options) -> Prediction:
-    """``kvlab.roofline.bytes.predict``, with the byte model's field names spelled as the command line's flags."""
+@contextmanager
+def _spelled_as_flags() -> Iterator[None]:
+    """The byte model names its argument in a ``ValueError``; the command line spells it as the flag."""
     try:
-        return predict(cfg, context, bandwidth, batch, **options)
-    except ValueError as e:  # the byte model names its argument; the command line spells it as a flag
+        yield
+    except ValueError as e:
         field, _, rest = str(e).partition(": ")
         raise UsageError(f"--{field.replace('_', '-')}: {rest}") from None
 
 
-def predict_json(cfg: ModelConfig, p: Prediction, spec: SpeculativePrediction | None, memory_gb: float | None) -> dict:
-    """What ``kvlab predict --json`` prints; ``kvlab report`` embeds the same dict."""
-    out = p.to_dict() | {"attention": cfg.attention_kind, "memory_needed_bytes": p.weight_bytes + p.kv_bytes}
-    if spec is not None:
-        out["speculative"] = asdict(spec)
-    if memory_gb is not None:
-        out["gpu_memory_bytes"] = round(memory_gb * 1e9)
-    return out
+def run_predict(cfg: ModelConfig, context: int, bandwidth: float, batch: int, **options) -> Prediction:
+    """``kvlab.roofline.predict``, with the byte model's field names spelled as the command line's flags."""
+    with _spelled_as_flags():
+        return predict(cfg, context, bandwidth, batch, **options)
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
@@ -255,24 +236,24 @@ def cmd_predict(args: argparse.Namespace) -> int:
     lo, hi = p.tpot_ms_range
     rows = [
         ("model", f"{cfg.name} ({cfg.attention_kind}, {cfg.n_layers} layers{moe})"),
-        ("weights", f"{_gb(p.weight_bytes)}, all parameters, in {dtypes}"),
-        ("weights read", f"{_gb(p.weight_bytes_read)} ({_read_note(cfg, p)})"),
+        ("weights", f"{gb_text(p.weight_bytes)}, all parameters, in {dtypes}"),
+        ("weights read", f"{gb_text(p.weight_bytes_read)} ({_read_note(cfg, p)})"),
         (
             "KV per token",
             f"{p.kv_bytes_per_token:,} B = {p.kv_bytes_per_token / 1024:,.1f} KiB in {p.kv_dtype}"
             + (f" ({p.kv_scales})" if p.kv_scales else ""),
         ),
-        (f"KV read, {context:,} tok x {batch}", _gb(p.kv_bytes) + _policy_note(p)),
-        ("bytes per step", _gb(p.bytes_per_step)),
+        (f"KV read, {context:,} tok x {batch}", gb_text(p.kv_bytes) + _policy_note(p)),
+        ("bytes per step", gb_text(p.bytes_per_step)),
         ("bandwidth", f"{bandwidth:,.0f} GB/s ({target.bandwidth_source})"),
         ("TPOT", f"{p.tpot_ms:,.2f} ms at full bandwidth (weights alone {p.tpot_ms_weights_only:,.2f} ms)"),
         ("TPOT, real systems", f"{lo:,.2f}-{hi:,.2f} ms: {p.tpot_ms_range_basis}"),
     ]
     if spec is not None:
         if args.draft_model:
-            drafter = f"draft {args.draft_model}, {_gb(spec.draft_bytes_per_step)} per step"
+            drafter = f"draft {args.draft_model}, {gb_text(spec.draft_bytes_per_step)} per step"
         elif args.draft_fraction:
-            drafter = f"a draft reading {args.draft_fraction} of the plain step, {_gb(spec.draft_bytes_per_step)}"
+            drafter = f"a draft reading {args.draft_fraction} of the plain step, {gb_text(spec.draft_bytes_per_step)}"
         else:
             drafter = "a drafter that reads no bytes (prompt lookup)"
         given = (
@@ -287,7 +268,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
             ),
             (
                 "verify step",
-                f"{_gb(spec.verify_bytes_per_step)}: the weights {spec.k + 1} positions in each of {p.batch} "
+                f"{gb_text(spec.verify_bytes_per_step)}: the weights {spec.k + 1} positions in each of {p.batch} "
                 "sequences use"
                 + (" (more experts than a plain step)" if cfg.moe is not None and spec.k else "")
                 + f", and the KV at {p.context + spec.k:,} tokens",
@@ -301,7 +282,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
     if memory_gb is not None and memory_needed > memory_gb * 1e9:
-        print(f"note: weights + KV need {_gb(memory_needed)}, more than one {gpu.name}'s {memory_gb:g} GB")
+        print(f"note: weights + KV need {gb_text(memory_needed)}, more than one {gpu.name}'s {memory_gb:g} GB")
     if cfg.weight_dtypes and wd is None:
         print("note: weights counted in the dtypes the checkpoint ships in; --weight-dtype overrides them all")
     if {"int8", "int4"} & set(p.weight_dtypes.values()) and p.weight_group_size is None:
@@ -362,45 +343,6 @@ def _speculation(args: argparse.Namespace, cfg: ModelConfig, p: Prediction) -> S
         return speculate(cfg, p, k, acceptance, draft_cfg, fraction)
     except ValueError as e:
         raise UsageError(f"--draft-model: {e}") from None
-
-
-def draft_step(p: Prediction, draft_cfg: ModelConfig) -> Prediction:
-    """The draft's own step beside the target's ``p``: the same batch (one token per sequence: a draft step at
-    batch B is charged what any step at batch B reads, the experts of B tokens for a mixture of experts), bandwidth
-    and input-embedding convention, at the same context clipped to the draft's max context."""
-    return predict(
-        draft_cfg, min(p.context, draft_cfg.max_seq_len), p.bandwidth_gbps, p.batch, input_embedding=p.input_embedding
-    )
-
-
-def draft_bytes(p: Prediction, draft_cfg: ModelConfig | None, draft_fraction: float | None) -> int:
-    """Bytes one draft step reads: ``draft_cfg``'s step, or ``draft_fraction`` of the plain step ``p``, or 0."""
-    if draft_cfg is not None:
-        return draft_step(p, draft_cfg).bytes_per_step
-    return 0 if draft_fraction is None else round(draft_fraction * p.bytes_per_step)
-
-
-def speculate(
-    cfg: ModelConfig,
-    p: Prediction,
-    k: int,
-    acceptance: float,
-    draft_cfg: ModelConfig | None = None,
-    draft_fraction: float | None = None,
-) -> SpeculativePrediction:
-    """Speculative decoding over ``cfg``'s plain step ``p``: the verify step reads what ``verify_bytes_per_step``
-    counts (a mixture of experts routes ``p.batch x (k + 1)`` tokens), and each of the ``k`` draft steps reads
-    ``draft_bytes``. A ``draft_cfg`` whose vocabulary differs from ``cfg``'s is refused (``ValueError``)."""
-    if draft_cfg is not None and (why := same_vocabulary(cfg, draft_cfg)):
-        raise ValueError(why)
-    return predict_speculative(
-        p.bytes_per_step,
-        k,
-        acceptance,
-        p.bandwidth_gbps,
-        draft_bytes(p, draft_cfg, draft_fraction),
-        verify_bytes_per_step(cfg, p, k),
-    )
 
 
 def measure_sweep(
@@ -643,7 +585,7 @@ def _endpoint_notes(tokens_per_char: float | None, tokenizer: str | None, counte
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from kvlab.report.build import DEFAULT_CONTEXT, build_report, summary_lines, write_report
+    from kvlab.report import DEFAULT_CONTEXT, build_report, summary_lines, write_report
 
     target = resolve_target(args)
     # The default is clipped to a shorter model's max context; a context the team gives is not.
@@ -656,7 +598,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.measure:
         # A short sweep: enough for a line and its fit on a laptop CPU in well under a minute.
         sweep = measure_sweep("cpu-small", [1024, 4096, 8192], n_tokens=8, n_requests=2)[1]
-    report = build_report(target, context, batch, memory_gb, sweep)
+    with _spelled_as_flags():
+        report = build_report(target, context, batch, memory_gb, sweep)
     try:
         written = write_report(report, args.out, sweep, images=not args.json_only)
     except OSError as e:

@@ -1,6 +1,12 @@
-"""Percentile summaries with vLLM's field names, torch-free so that ``kvlab.serving.client`` (a client) loads fast.
+"""Request latency with vLLM's definitions and field names, percentile summaries, and the straight-line fit the
+course reads slopes from. Torch-free: the engine, the HTTP client (``kvlab.serving.client``) and the measurements
+all count with these, and a client must load fast.
 
-``kvlab.measure.sweep`` re-exports these names, where the lessons import them from.
+Per request of ``n`` output tokens (vLLM ``benchmarks`` definitions):
+- TTFT: time from the request's start to its first output token (prefill plus the first sampling).
+- ITL: every gap between two consecutive output tokens.
+- E2EL: time from the request's start to its last output token.
+- TPOT = (E2EL - TTFT) / (n - 1): the mean gap after the first token, one number per request.
 """
 
 from __future__ import annotations
@@ -8,6 +14,8 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import pairwise
 
 PERCENTILES = (50, 90, 99)
 
@@ -51,3 +59,53 @@ def latency_summaries(requests: Sequence) -> dict[str, float]:
         if values:
             out.update(summarize(name, values))
     return out
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Least-squares line ``y = slope * x + intercept`` and its coefficient of determination."""
+
+    slope: float
+    intercept: float
+    r2: float
+
+
+def fit_line(x: Sequence[float], y: Sequence[float]) -> Fit:
+    if len(x) != len(y) or len(x) < 2:
+        raise ValueError(f"x, y: need two equally long sequences of at least 2 points; got {len(x)} and {len(y)}")
+    n = len(x)
+    mx, my = sum(x) / n, sum(y) / n
+    sxx = sum((a - mx) ** 2 for a in x)
+    if sxx == 0:
+        raise ValueError("x: all values are equal; allowed: at least two distinct x values")
+    slope = sum((a - mx) * (b - my) for a, b in zip(x, y, strict=True)) / sxx
+    intercept = my - slope * mx
+    ss_res = sum((b - (slope * a + intercept)) ** 2 for a, b in zip(x, y, strict=True))
+    ss_tot = sum((b - my) ** 2 for b in y)
+    return Fit(slope, intercept, 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0)
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """Arrival time of each output token, in seconds since the request started."""
+
+    token_times_s: tuple[float, ...]
+
+    @property
+    def ttft_ms(self) -> float:
+        return self.token_times_s[0] * 1e3
+
+    @property
+    def e2el_ms(self) -> float:
+        return self.token_times_s[-1] * 1e3
+
+    @property
+    def itl_ms(self) -> list[float]:
+        return [(b - a) * 1e3 for a, b in pairwise(self.token_times_s)]
+
+    @property
+    def tpot_ms(self) -> float:
+        n = len(self.token_times_s)
+        if n < 2:
+            raise ValueError("TPOT needs at least 2 output tokens")
+        return (self.e2el_ms - self.ttft_ms) / (n - 1)

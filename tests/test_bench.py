@@ -9,8 +9,9 @@ import torch
 from kvlab import Decoder
 from kvlab.machine.timing import Bandwidth
 from kvlab.measure.breakdown import breakdown, report
-from kvlab.measure.sweep import Arm, RequestTiming, fit_line, interleaved_sweeps, percentile, summarize, sweep_context
-from kvlab.roofline.bytes import weight_bytes_read
+from kvlab.measure.sweep import Arm, interleaved_sweeps, sweep_context
+from kvlab.metrics import RequestTiming, fit_line, percentile, summarize
+from kvlab.roofline import weight_bytes_read
 
 from .helpers import tiny_config
 

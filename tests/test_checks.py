@@ -17,7 +17,8 @@ from kvlab import checks, get_model, roofline
 from kvlab.cache import KVCache
 from kvlab.kernels.reference import attend_slab
 from kvlab.machine.timing import Bandwidth
-from kvlab.measure.sweep import RequestTiming, Sweep, SweepPoint, fit_line, percentile
+from kvlab.measure.sweep import Sweep, SweepPoint
+from kvlab.metrics import RequestTiming, fit_line, percentile
 from tests.conftest import LESSONS, REPO
 from tests.helpers import assert_fails, assert_silent
 

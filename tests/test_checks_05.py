@@ -13,7 +13,7 @@ from autograde import hidden
 from kvlab import Decoder, checks
 from kvlab.course import lesson05_prefix_caching as l05
 from kvlab.engine.engine import Engine, Request, RequestResult, RunReport
-from kvlab.measure.sweep import RequestTiming
+from kvlab.metrics import RequestTiming
 from tests.helpers import assert_fails, assert_silent
 
 

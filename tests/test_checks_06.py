@@ -10,7 +10,8 @@ from autograde import hidden
 from kvlab import checks, get_model, roofline
 from kvlab.course import lesson06_gqa_mqa_mla as lesson06
 from kvlab.machine.timing import Bandwidth
-from kvlab.measure.sweep import RequestTiming, Sweep, SweepPoint, fit_line
+from kvlab.measure.sweep import Sweep, SweepPoint
+from kvlab.metrics import RequestTiming, fit_line
 from kvlab.spec.config import MLAConfig
 from tests.helpers import assert_fails, assert_silent
 

@@ -12,7 +12,8 @@ from autograde import hidden
 from kvlab import checks, roofline
 from kvlab.machine.timing import Bandwidth
 from kvlab.measure.quality import NeedleResult, PerplexityResult, needle_prompts
-from kvlab.measure.sweep import RequestTiming, Sweep, SweepPoint
+from kvlab.measure.sweep import Sweep, SweepPoint
+from kvlab.metrics import RequestTiming
 from tests.helpers import assert_fails, assert_silent
 
 BW = Bandwidth("cpu", 64.0, copy_gbps=10.0, read_gbps=10.0, copy_best_gbps=11.0, read_best_gbps=11.0, threads=1)

@@ -13,7 +13,7 @@ from autograde import hidden
 from kvlab import Decoder, checks
 from kvlab.cache.policy.heavy_hitters import HeavyHitterKVCache
 from kvlab.course import lesson08_heavy_hitters as lesson08
-from kvlab.roofline.bytes import kv_element_bytes
+from kvlab.roofline import kv_element_bytes
 from tests.helpers import assert_fails, assert_silent, tiny_config
 
 

@@ -15,7 +15,8 @@ from kvlab import checks, roofline
 from kvlab.course import lesson09_kv_quantization as lesson09
 from kvlab.kernels.reference import decode_attention
 from kvlab.machine.timing import Bandwidth
-from kvlab.measure.sweep import RequestTiming, Sweep, SweepPoint
+from kvlab.measure.sweep import Sweep, SweepPoint
+from kvlab.metrics import RequestTiming
 from tests.helpers import Remeasure, assert_fails, assert_silent
 
 BW = Bandwidth("cpu", 64.0, copy_gbps=10.0, read_gbps=10.0, copy_best_gbps=11.0, read_best_gbps=11.0, threads=1)

@@ -6,7 +6,7 @@ import pytest
 
 from kvlab import get_model
 from kvlab.cli import parse_tokens
-from kvlab.roofline.bytes import param_count
+from kvlab.roofline import param_count
 from tests.helpers import run_cli
 
 

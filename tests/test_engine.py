@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvlab.cache.storage.paged import PagedKVCache
 from kvlab.engine.engine import Engine, ModelCall, Request, RunReport, SimulatedClock
 from kvlab.model.decoder import Decoder
-from kvlab.roofline.bytes import active_params, kv_bytes_per_step, kv_bytes_per_token, weight_bytes_read
+from kvlab.roofline import active_params, kv_bytes_per_step, kv_bytes_per_token, weight_bytes_read
 
 from .helpers import assert_greedy_picks, tiny_config
 

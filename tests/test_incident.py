@@ -30,7 +30,7 @@ from kvlab.measure.session import turns_to_drop
 from kvlab.model.decoder import Decoder
 from kvlab.model.pretrained import load_pretrained
 from kvlab.model.tokenizer import ASK, PASSKEY_BASE
-from kvlab.roofline.bytes import kv_bytes_per_token, weight_bytes
+from kvlab.roofline import kv_bytes_per_token, weight_bytes
 from kvlab.spec.presets import get_gpu, get_model
 from tests.helpers import sharp_random_model
 

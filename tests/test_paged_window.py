@@ -15,7 +15,7 @@ from kvlab.cache.storage.block_pool import HOLE, BlockPool
 from kvlab.cache.storage.paged import TABLE_ENTRY_BYTES, PagedKVCache
 from kvlab.engine.speculative import speculative_generate
 from kvlab.model.decoder import Decoder
-from kvlab.roofline.bytes import kv_bytes_per_step
+from kvlab.roofline import kv_bytes_per_step
 
 from .helpers import tiny_config
 

@@ -3,7 +3,7 @@
 import pytest
 
 from kvlab import get_model
-from kvlab.roofline.bytes import active_params, param_count, predict, weight_bytes
+from kvlab.roofline import active_params, param_count, predict, weight_bytes
 from kvlab.spec.presets import draft_of, get_gpu, gpu_presets, model_presets, same_vocabulary
 from kvlab.spec.published import HARDWARE_CLASSES
 

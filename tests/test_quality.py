@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from kvlab.measure import quality
 from kvlab.cache.base import default_cache
 from kvlab.cache.codec.kivi import QuantizedKVCache
 from kvlab.cache.policy.heavy_hitters import HeavyHitterKVCache
 from kvlab.cache.policy.window import WindowKVCache
 from kvlab.cache.storage.paged import PagedKVCache
 from kvlab.cache.storage.slab import ContiguousKVCache
+from kvlab.measure import quality
 from kvlab.measure.quality import (
     attention_sink_share,
     needle_prompts,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvlab.report.build import LESSONS, quality_table, quality_table_from_measurements
-from kvlab.roofline.bytes import crossover_context
+from kvlab.roofline import crossover_context
 from kvlab.spec.presets import model_presets
 from tests.helpers import run_cli
 

@@ -8,7 +8,7 @@ from importlib import resources
 import pytest
 
 from kvlab import MLAConfig, ModelConfig, get_gpu, get_model
-from kvlab.roofline.bytes import (
+from kvlab.roofline import (
     acceptance_from_rate,
     active_params,
     batch_for_tpot,
@@ -153,7 +153,7 @@ def test_shared_prefix_is_read_once_per_batch():
 
 
 def test_group_size_counts_scales_and_zero_points_as_the_codecs_store_them():
-    from kvlab.roofline.bytes import kv_element_bytes
+    from kvlab.roofline import kv_element_bytes
 
     assert kv_element_bytes("int8", 64) == 1 + (2 + 2) / 64  # fp16 scale and zero point per group
     assert kv_element_bytes("int4", 32) == 0.5 + 4 / 32
@@ -169,7 +169,7 @@ def test_group_size_counts_scales_and_zero_points_as_the_codecs_store_them():
 @pytest.mark.parametrize("group_size", [1, 7, 32, 128])
 def test_group_size_arithmetic_matches_what_the_codecs_store(dtype, group_size):
     from kvlab.cache.codec.codecs import get_codec
-    from kvlab.roofline.bytes import kv_element_bytes
+    from kvlab.roofline import kv_element_bytes
 
     stored = get_codec(dtype).stored_bytes((group_size,), 0, group_size)
     assert kv_element_bytes(dtype, group_size) * group_size == stored

@@ -17,7 +17,7 @@ from kvlab.model.weights import (
     projection_shapes,
     quantize_int8,
 )
-from kvlab.roofline.bytes import weight_bytes_read
+from kvlab.roofline import weight_bytes_read
 
 from .helpers import tiny_config
 

@@ -38,11 +38,11 @@ from kvlab.course.disk_memo import remembered
 from kvlab.engine.engine import Clock, Engine, Request, RunReport, SimulatedClock
 from kvlab.measure.quality import default_cache, perplexity
 from kvlab.measure.session import turns_to_drop
-from kvlab.measure.sweep import latency_summaries
+from kvlab.metrics import latency_summaries
 from kvlab.model.decoder import Decoder
 from kvlab.model.pretrained import heldout_tokens, load_pretrained
 from kvlab.model.tokenizer import ASK, N_PASSKEYS, PASSKEY_BASE, VOCAB_SIZE
-from kvlab.roofline.bytes import kv_bytes_per_token, weight_bytes
+from kvlab.roofline import kv_bytes_per_token, weight_bytes
 from kvlab.spec.config import ModelConfig
 from kvlab.spec.dtypes import KV_DTYPES, canonical_dtype
 from kvlab.spec.presets import GPU, get_gpu, get_model

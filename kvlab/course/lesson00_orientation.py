@@ -12,7 +12,7 @@ import torch
 from kvlab.course.grading import _call, _close, _fail, quick_mode
 from kvlab.course.measured import Reading, reading, retake
 from kvlab.machine.timing import Bandwidth, bandwidth_buffer_mb, measure_bandwidth
-from kvlab.roofline.bytes import predict_tpot_ms
+from kvlab.roofline import predict_tpot_ms
 
 __all__ = [
     "COPY_BAND",

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from kvlab.course.grading import _call, _close, _exact_int, _fail, _label
-from kvlab.roofline.bytes import (
+from kvlab.roofline import (
     batch_for_tpot,
     decode_attention_flops,
     kv_bytes_per_token,
@@ -124,7 +124,7 @@ def check_weight_bytes(
 ) -> None:
     """``fn(cfg, bytes_per_element)`` -> bytes of all parameters of a Llama-style shape, counted from the shape.
 
-    Expected: ``round(param_count x bytes per element)``, as ``kvlab.roofline.bytes.weight_bytes``.
+    Expected: ``round(param_count x bytes per element)``, as ``kvlab.roofline.weight_bytes``.
     """
     fix = (
         "Count embeddings (twice unless tied: input table and output head), per layer the Q, K, V, O projections "

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 
 from kvlab.course.grading import _call, _close, _exact_int, _fail, _label
 from kvlab.model.weights import int8_step_weight_bytes
-from kvlab.roofline.bytes import decode_flops, predict_tpot_ms, prefill_flops, ridge_intensity, roofline_time_ms
+from kvlab.roofline import decode_flops, predict_tpot_ms, prefill_flops, ridge_intensity, roofline_time_ms
 from kvlab.spec.config import ModelConfig
 from kvlab.spec.presets import get_model
 from kvlab.spec.published import PublishedDecode, published_decode

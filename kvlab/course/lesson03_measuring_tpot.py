@@ -13,9 +13,10 @@ import torch
 from kvlab.cache.base import CacheFactory, KVCache
 from kvlab.course.grading import _call, _close, _fail, _timed_together
 from kvlab.course.measured import Reading, reading, tell
-from kvlab.measure.sweep import RequestTiming, Sweep, fit_line, percentile
+from kvlab.measure.sweep import Sweep
+from kvlab.metrics import RequestTiming, fit_line, percentile
 from kvlab.model.decoder import Decoder
-from kvlab.roofline.bytes import crossover_context
+from kvlab.roofline import crossover_context
 from kvlab.spec.config import ModelConfig
 
 __all__ = [

@@ -13,9 +13,9 @@ import torch
 from kvlab.course.grading import FLOOR, _call, _close, _exact_int, _exact_ints, _fail, _label
 from kvlab.course.measured import Reading, reading, tell
 from kvlab.engine.engine import Engine, Request, RequestResult, RunReport
-from kvlab.measure.sweep import RequestTiming, fit_line, percentile
+from kvlab.metrics import RequestTiming, fit_line, percentile
 from kvlab.model.decoder import Decoder
-from kvlab.roofline.bytes import kv_bytes_per_step, kv_bytes_per_token, weight_bytes, weight_bytes_read
+from kvlab.roofline import kv_bytes_per_step, kv_bytes_per_token, weight_bytes, weight_bytes_read
 from kvlab.spec.config import ModelConfig
 from kvlab.spec.presets import get_model
 
@@ -208,7 +208,7 @@ def check_throughput_latency(
     """``fn(report)`` -> {"output_tokens_per_s", "p50_tpot_ms", "p99_tpot_ms"} of one ``Engine.run``.
 
     Output tokens of every request over ``report.duration_s``; the 50th and 99th percentile (linear interpolation,
-    ``kvlab.measure.sweep.percentile``) of the requests' TPOT, leaving out requests that have none (one token, or an error).
+    ``kvlab.metrics.percentile``) of the requests' TPOT, leaving out requests that have none (one token, or an error).
     ``reports`` are the lesson's own runs; ``cases`` made-up ones with those edge cases.
     """
     cases = list(cases)
@@ -238,7 +238,7 @@ def check_throughput_latency(
         for p in (50, 99):
             key = f"p{p}_tpot_ms"
             fix = (
-                f"The {p}th percentile (kvlab.measure.sweep.percentile, or yours from lesson 03) of r.tpot_ms over the "
+                f"The {p}th percentile (kvlab.metrics.percentile, or yours from lesson 03) of r.tpot_ms over the "
                 "requests whose tpot_ms is not None."
             )
             slips = [(percentile(itl, p), "It is a percentile of every ITL gap; TPOT is one number per request.")]

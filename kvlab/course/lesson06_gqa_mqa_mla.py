@@ -11,8 +11,9 @@ from typing import Any
 
 from kvlab.course.grading import _call, _close, _exact_int, _fail, _label, _timed_together
 from kvlab.course.measured import Reading, reading, tell
-from kvlab.measure.sweep import Sweep, fit_line
-from kvlab.roofline.bytes import (
+from kvlab.measure.sweep import Sweep
+from kvlab.metrics import fit_line
+from kvlab.roofline import (
     active_params,
     kv_bytes_per_step,
     kv_bytes_per_token,
@@ -301,7 +302,7 @@ def check_mla_kv_bytes(
     """``fn(cfg, bytes_per_element)`` -> ``(latent_bytes, mha_bytes)`` per token, all layers, of an MLA model.
 
     ``latent_bytes``: the latent cache, ``kv_lora_rank + qk_rope_head_dim`` elements per layer (as
-    ``kvlab.roofline.bytes.kv_bytes_per_token``); ``mha_bytes``: the per-head keys and values MLA's heads attend over,
+    ``kvlab.roofline.kv_bytes_per_token``); ``mha_bytes``: the per-head keys and values MLA's heads attend over,
     ``n_heads x (qk_nope_head_dim + qk_rope_head_dim + v_head_dim)`` per layer, which an MHA cache would hold.
     """
     for cfg, size in _mla_models() if cases is None else cases:

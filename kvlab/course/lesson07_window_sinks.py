@@ -16,7 +16,7 @@ from kvlab.course.grading import _call, _close, _exact_int, _fail, _is_int, _lab
 from kvlab.course.measured import Reading, reading, tell
 from kvlab.measure.quality import NeedleResult, PerplexityResult, needle_prompts
 from kvlab.measure.sweep import Sweep
-from kvlab.roofline.bytes import kv_bytes_per_token
+from kvlab.roofline import kv_bytes_per_token
 from kvlab.spec.config import ModelConfig
 from kvlab.spec.presets import get_model
 

@@ -18,7 +18,7 @@ from kvlab.course.grading import _call, _close, _exact_int, _fail, _is_real, _la
 from kvlab.course.measured import Reading, reading, tell
 from kvlab.kernels.reference import decode_attention
 from kvlab.measure.sweep import Sweep
-from kvlab.roofline.bytes import kv_bytes_per_step, predict_tpot_ms, weight_bytes_read
+from kvlab.roofline import kv_bytes_per_step, predict_tpot_ms, weight_bytes_read
 from kvlab.spec.config import ModelConfig
 from kvlab.spec.presets import get_model
 from kvlab.spec.published import published_decode

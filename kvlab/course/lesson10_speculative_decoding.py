@@ -13,7 +13,7 @@ import torch
 
 from kvlab.course.grading import _call, _close, _fail, _is_int, _is_real, _label
 from kvlab.engine.speculative import SpeculativeResult, accept_greedy
-from kvlab.roofline.bytes import (
+from kvlab.roofline import (
     decode_flops,
     expected_tokens_per_step,
     kv_bytes_per_step,
@@ -127,7 +127,7 @@ def check_expected_tokens(
     fn: Callable[[float, int], float], cases: Iterable[tuple[float, int]] = _TOKENS_CASES, reveal: bool = True
 ) -> None:
     """``fn(a, k)`` -> expected tokens per verify step, ``1 + a + ... + a^k``, compared with
-    ``kvlab.roofline.bytes.expected_tokens_per_step``. Includes ``a = 0``, ``a = 1`` (``k + 1``, no division) and
+    ``kvlab.roofline.expected_tokens_per_step``. Includes ``a = 0``, ``a = 1`` (``k + 1``, no division) and
     ``k = 0`` (1)."""
     for a, k in cases:
         label = f"expected_tokens(a={a}, k={k})"
@@ -223,7 +223,7 @@ def check_byte_speedup(
     reveal: bool = True,
 ) -> None:
     """``fn(target_bytes, draft_bytes, k, a)`` -> ``(bytes_per_token, speedup)`` of the byte model, compared with
-    ``kvlab.roofline.bytes.predict_speculative``: a round reads the target's bytes once and the draft's ``k`` times, and
+    ``kvlab.roofline.predict_speculative``: a round reads the target's bytes once and the draft's ``k`` times, and
     yields ``expected_tokens(a, k)`` tokens; the speedup is plain decoding's bytes per token over that."""
     for target, draft, k, a in cases:
         label = f"byte_speedup(target_bytes={target:,}, draft_bytes={draft:,}, k={k}, a={a})"

@@ -11,7 +11,7 @@ from typing import Any
 from kvlab.course.grading import _call, _close, _exact_int, _fail, _is_real, _label
 from kvlab.course.incident import INCIDENT, PUBLIC_SEEDS, Fix, Incident, pool_tokens
 from kvlab.model.decoder import Decoder
-from kvlab.roofline.bytes import kv_bytes_per_step, kv_bytes_per_token, weight_bytes_read
+from kvlab.roofline import kv_bytes_per_step, kv_bytes_per_token, weight_bytes_read
 from kvlab.spec.config import ModelConfig
 from kvlab.spec.presets import get_gpu, get_model
 

@@ -18,7 +18,7 @@ A step, as vLLM's scheduler runs it (nano-vllm's reads the same way):
    counted first): a request whose prompt completes samples its first token from the chunk's last logits.
 
 Every token sampled in a step is stamped with the clock at the step's end, so TTFT, TPOT, ITL and E2EL follow
-vLLM's definitions (``kvlab.measure.sweep.RequestTiming``), measured from the request's arrival (queueing counts).
+vLLM's definitions (``kvlab.metrics.RequestTiming``), measured from the request's arrival (queueing counts).
 
 Preemption by recompute, newest first: before a call stores tokens, the engine checks the pool holds the blocks it
 needs (a decode row whose length is a multiple of ``block_size`` starts a block); while it does not, the newest
@@ -58,10 +58,10 @@ import torch
 from kvlab.cache.storage.block_pool import int_tuple
 from kvlab.cache.storage.paged import PagedKVCache
 from kvlab.machine.timing import Stopwatch
-from kvlab.measure.sweep import RequestTiming, latency_summaries
+from kvlab.metrics import RequestTiming, latency_summaries
 from kvlab.model.decoder import Decoder
 from kvlab.model.sampling import SamplingParams, TokenLogprobs, choose
-from kvlab.roofline.bytes import (
+from kvlab.roofline import (
     active_params,
     decode_attention_flops,
     kv_bytes_per_step,

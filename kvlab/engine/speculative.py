@@ -71,7 +71,7 @@ class SpeculativeResult:
 
     @property
     def acceptance_per_draft(self) -> float:
-        """The ``a`` of ``kvlab.roofline.bytes.expected_tokens_per_step``: the chance a draft is accepted once the ones
+        """The ``a`` of ``kvlab.roofline.expected_tokens_per_step``: the chance a draft is accepted once the ones
         before it were. Each rejection ends a step's run of accepted drafts, so ``accepted / (accepted +
         rejections)`` estimates it. It exceeds ``acceptance_rate`` when a step's later drafts go unjudged after a
         rejection, and real drafts are easier in some stretches than others, which the model's one ``a`` ignores.

@@ -21,7 +21,7 @@ import torch
 
 from kvlab.machine.timing import bandwidth_buffer_mb, require_clock, time_interleaved
 from kvlab.model.decoder import Decoder
-from kvlab.roofline.bytes import predict_tpot_ms
+from kvlab.roofline import predict_tpot_ms
 
 
 def layer_weights(model: Decoder) -> list[list[torch.Tensor]]:

@@ -1,10 +1,6 @@
-"""Latency measurement with vLLM's definitions, context sweeps, and the straight-line fit the course tests.
+"""Timing requests on this machine, and context sweeps: TPOT measured against the byte model's prediction.
 
-Per request of ``n`` output tokens (vLLM ``benchmarks`` definitions):
-- TTFT: time from the request's start to its first output token (prefill plus the first sampling).
-- ITL: every gap between two consecutive output tokens.
-- E2EL: time from the request's start to its last output token.
-- TPOT = (E2EL - TTFT) / (n - 1): the mean gap after the first token, one number per request.
+The latency definitions (vLLM's) and the line fit are ``kvlab.metrics``'.
 
 Timing rules: warm up before measuring (first calls pay for allocation and kernel selection); synchronize the
 device before reading a clock (CUDA events on GPU, where launches are asynchronous: ``kvlab.machine.timing.Stopwatch``
@@ -16,7 +12,6 @@ from __future__ import annotations
 import json
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from itertools import pairwise
 from pathlib import Path
 from typing import TypeVar
 
@@ -24,62 +19,11 @@ import torch
 
 from kvlab.cache.base import CacheFactory, KVCache, default_cache
 from kvlab.machine.timing import Bandwidth, Stopwatch, machine_info, measure_bandwidth
-from kvlab.metrics import PERCENTILES, latency_summaries, percentile, summarize  # noqa: F401 (re-exported)
+from kvlab.metrics import Fit, RequestTiming, fit_line, latency_summaries, percentile
 from kvlab.model.decoder import Decoder
-from kvlab.roofline.bytes import predict_tpot_ms, weight_bytes_read
+from kvlab.roofline import predict_tpot_ms, weight_bytes_read
 
 K = TypeVar("K", bound=Hashable)  # the key naming an arm of an interleaved sweep
-
-
-@dataclass(frozen=True)
-class Fit:
-    """Least-squares line ``y = slope * x + intercept`` and its coefficient of determination."""
-
-    slope: float
-    intercept: float
-    r2: float
-
-
-def fit_line(x: Sequence[float], y: Sequence[float]) -> Fit:
-    if len(x) != len(y) or len(x) < 2:
-        raise ValueError(f"x, y: need two equally long sequences of at least 2 points; got {len(x)} and {len(y)}")
-    n = len(x)
-    mx, my = sum(x) / n, sum(y) / n
-    sxx = sum((a - mx) ** 2 for a in x)
-    if sxx == 0:
-        raise ValueError("x: all values are equal; allowed: at least two distinct x values")
-    slope = sum((a - mx) * (b - my) for a, b in zip(x, y, strict=True)) / sxx
-    intercept = my - slope * mx
-    ss_res = sum((b - (slope * a + intercept)) ** 2 for a, b in zip(x, y, strict=True))
-    ss_tot = sum((b - my) ** 2 for b in y)
-    return Fit(slope, intercept, 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0)
-
-
-# -- one request -------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class RequestTiming:
-    """Arrival time of each output token, in seconds since the request started."""
-
-    token_times_s: tuple[float, ...]
-
-    @property
-    def ttft_ms(self) -> float:
-        return self.token_times_s[0] * 1e3
-
-    @property
-    def e2el_ms(self) -> float:
-        return self.token_times_s[-1] * 1e3
-
-    @property
-    def itl_ms(self) -> list[float]:
-        return [(b - a) * 1e3 for a, b in pairwise(self.token_times_s)]
-
-    @property
-    def tpot_ms(self) -> float:
-        n = len(self.token_times_s)
-        if n < 2:
-            raise ValueError("TPOT needs at least 2 output tokens")
-        return (self.e2el_ms - self.ttft_ms) / (n - 1)
 
 
 @torch.inference_mode()

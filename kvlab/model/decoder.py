@@ -52,7 +52,7 @@ class Decoder(nn.Module):
 
     ``weight_dtype`` (``kvlab.model.weights.WEIGHT_DTYPES``, default fp32) is the precision the projections and the LM
     head read their weights in; the parameters themselves stay fp32 (``kvlab.model.weights``). With another precision,
-    ``cfg`` records it in ``weight_dtypes``, so the byte model (``kvlab.roofline.bytes``) charges those bytes.
+    ``cfg`` records it in ``weight_dtypes``, so the byte model (``kvlab.roofline``) charges those bytes.
     """
 
     def __init__(

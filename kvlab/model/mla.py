@@ -20,7 +20,7 @@ so attention over the same cache can be computed two ways (``MLAAttention.absorb
 cache. This module scales and groups the latent queries (``[B, 1, H, T, r + p]``); the cache only stores and reads.
 
 Absorption is not free: each cached token costs ``2H(2r + p)`` FLOPs instead of ``2H(n + p + v)`` over per-head
-K/V, though far less than the naive path's re-expansion (``kvlab.roofline.bytes.mla_attention_flops`` counts both paths).
+K/V, though far less than the naive path's re-expansion (``kvlab.roofline.mla_attention_flops`` counts both paths).
 
 Weights are stored ``[in, out]`` as in ``kvlab.model.decoder``. ``W_uk`` is stored ``[H, n, r]``, the way the absorbed
 decode applies it (``q_nope -> latent``); the naive path reads it transposed.

@@ -1,7 +1,7 @@
 """ModelConfig: the shape of a Llama-style decoder, validated, plus what the byte model needs beyond it.
 
 A config is the single description of a model that both the runnable ``Decoder`` and the byte model
-(``kvlab.roofline.bytes``) read. Fields beyond the Llama shape (per-layer windows, MLA, a published parameter count)
+(``kvlab.roofline``) read. Fields beyond the Llama shape (per-layer windows, MLA, a published parameter count)
 exist so that real models' byte accounting is right even where kvlab cannot run them yet.
 """
 
@@ -91,7 +91,7 @@ class ModelConfig:
     - ``rope_scaling``: Hugging Face's ``rope_parameters`` beyond the default, as sorted ``(key, value)`` pairs
       (``rope_type="llama3"`` is runnable; other types are kept for the record).
     - ``moe``: the mixture-of-experts structure (``MoEConfig``); the byte model charges a step only the experts its
-      batch routes to (``kvlab.roofline.bytes.active_params``). Not runnable.
+      batch routes to (``kvlab.roofline.active_params``). Not runnable.
     - ``weight_dtypes``: the dtype each part of the released checkpoint ships in, as sorted ``(component, dtype)``
       pairs over ``WEIGHT_COMPONENTS`` (DeepSeek-V3: FP8 with BF16 embeddings; gpt-oss: MXFP4 experts). A part not
       listed ships in ``dtype``. ``None``: everything ships in ``dtype``.

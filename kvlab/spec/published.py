@@ -7,7 +7,7 @@ datasheet bandwidth, batch, context and the measured time per output token. Its 
 here so that the numbers can be re-derived):
 
 - ``weight_bytes`` counts every matrix a step reads, the LM head included, but not an untied input embedding table
-  (a step reads one row of it). Quantized formats count their scales (see ``kvlab.roofline.bytes.weight_element_bytes``).
+  (a step reads one row of it). Quantized formats count their scales (see ``kvlab.roofline.weight_element_bytes``).
 - KV bytes per token = 2 x layers x KV heads x head dim x ``kv_dtype_bytes``; a step reads ``batch x context`` of
   them. gpt-fast and torchao read a static cache of prompt + 200 positions every step; llama.cpp's ``tg32`` at
   depth ``d`` is taken at ``d + 16``, the middle of the 32 generated tokens.
@@ -239,9 +239,9 @@ class PublishedSpeculative:
     """One published speculative-decoding result: a target, its draft, and what the drafts achieved.
 
     ``acceptance_rate``: accepted / drafted tokens, as serving systems report it (vLLM's "draft acceptance rate",
-    llama.cpp's "accept"). It is not the per-draft ``a`` of ``kvlab.roofline.bytes.expected_tokens_per_step``: drafts
+    llama.cpp's "accept"). It is not the per-draft ``a`` of ``kvlab.roofline.expected_tokens_per_step``: drafts
     after a rejection are never judged, so the rate falls as ``k`` grows at the same ``a``
-    (``kvlab.roofline.bytes.acceptance_from_rate`` converts). ``tokens_per_step`` (tokens per verify step) and
+    (``kvlab.roofline.acceptance_from_rate`` converts). ``tokens_per_step`` (tokens per verify step) and
     ``speedup`` (over the target alone, same system) are ``None`` where the source gives none. ``drafts_per_step``
     is set where a run drafted fewer than ``k`` at some steps (``k`` is then a maximum); such a row's rate does not
     convert to ``a``, since the conversion assumes ``k`` drafts at every step.

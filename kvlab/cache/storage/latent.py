@@ -29,7 +29,7 @@ class LatentKVCache(SlabKVCache):
     weighted sum at once (every head scores against the same latent, so ``q @ K`` is a matrix product here, not the
     matrix-vector product that key-major storage sped up for MHA). ``codec`` (default: the dtype the latents arrive
     in) is any of ``kvlab.spec.dtypes.KV_DTYPES``; fp8/int8/int4 encode each latent on its own, ``group_size`` channels
-    per scale (``kvlab.cache.codec.stores``). Byte methods count each latent once, as ``kvlab.roofline.bytes.kv_bytes_per_token``
+    per scale (``kvlab.cache.codec.stores``). Byte methods count each latent once, as ``kvlab.roofline.kv_bytes_per_token``
     does for MLA; this unfused kernel streams ``c_kv`` twice a step (scores, then the weighted sum), a fused one once.
     """
 
