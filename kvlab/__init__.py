@@ -1,12 +1,14 @@
 """kvlab: measure why LLM decoding slows down as the context grows, and what each fix buys.
 
-The public names load on first use (PEP 562), so that ``import kvlab.roofline.bytes`` or ``kvlab predict`` never pays
-for torch: ``from kvlab import Decoder`` imports the model then, and only then.
+The public names load on first use (PEP 562), so that ``import kvlab.roofline`` or ``kvlab predict`` never pays
+for torch: ``from kvlab import Decoder`` imports the model then, and only then. Each package (``kvlab.spec``,
+``kvlab.roofline``, ``kvlab.cache``, ``kvlab.model``, ``kvlab.engine``, ``kvlab.measure``, ...) has its public
+surface in its ``__init__``; the README's layout table lists them, lowest layer first.
 """
 
 from __future__ import annotations
 
-import importlib
+from kvlab._lazy import lazy_exports
 
 # public name -> the module that defines it
 _EXPORTS: dict[str, str] = {
@@ -29,15 +31,4 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> object:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'kvlab' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,11 +1,16 @@
-"""The course's exercise checkers, one module per lesson, and the grading helpers they share.
+"""The course's checkers, one module per lesson (learners import them through ``kvlab.checks``), their shared grading
+helpers, and the capstone incident (``kvlab.course.incident``: a chat service's trace replayed at scale, and the
+fixes a team can ship)."""
 
-- ``grading``: quick mode, each lesson's setup, and what every checker uses to call a learner's function, compare
-  its answer and word the failure (``_fail``, ``_hint``, ``_close``, ``_exact_int``, ``_call``).
-- ``measured``: a measured check's ``Reading`` of its data, the bounded ``retake`` a lesson's measurement cell runs
-  while the data is unreadable, and ``tell``, what a check says when its effect was not seen.
-- ``lesson00_orientation`` .. ``lesson10_speculative_decoding``: the checkers of one lesson each, with their cases and
-  the bands they accept, each band beside the measurements it was set from.
+from kvlab._lazy import lazy_exports
 
-The notebooks import every checker from ``kvlab.checks``, the index of these modules.
-"""
+# public name -> the module that defines it
+_EXPORTS: dict[str, str] = {
+    "Fix": "kvlab.course.incident",
+    "INCIDENT": "kvlab.course.incident",
+    "PUBLIC_SEEDS": "kvlab.course.incident",
+    "SCALE": "kvlab.course.incident",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

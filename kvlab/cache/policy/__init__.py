@@ -1,1 +1,2 @@
-"""kvlab.cache.policy."""
+"""Which tokens stay: a fixed set of slots (``FixedSlotsKVCache``), sinks + a sliding window, and heavy hitters
+(H2O)."""
