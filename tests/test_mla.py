@@ -9,7 +9,8 @@ from kvlab import CacheCapacityError, Decoder, MLAConfig, ModelConfig, get_model
 from kvlab.cache.base import CacheShape, KVCache
 from kvlab.cache.codec.codecs import get_codec
 from kvlab.cache.storage.latent import LatentKVCache
-from kvlab.model.mla import MLAAttention, set_absorb
+from kvlab.model import set_absorb
+from kvlab.model.mla import MLAAttention
 from kvlab.roofline import kv_bytes_per_step, kv_bytes_per_token, param_count
 
 from .helpers import assert_greedy_picks, tiny_config

@@ -449,7 +449,7 @@ def test_mla_attention_flops_equal_what_torch_counts_for_one_step(q_lora_rank, a
     from torch.utils.flop_counter import FlopCounterMode
 
     from kvlab import Decoder
-    from kvlab.model.mla import set_absorb
+    from kvlab.model import set_absorb
 
     mla = MLAConfig(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, q_lora_rank=q_lora_rank)
     model = set_absorb(Decoder(ModelConfig(**MLA_SHAPE, mla=mla), device="cpu"), absorb)

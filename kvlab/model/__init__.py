@@ -31,7 +31,7 @@ _EXPORTS: dict[str, str] = {
     "native_half": "kvlab.model.weights",
     "passkey": "kvlab.model.tokenizer",
     "projection_shapes": "kvlab.model.weights",
-    "set_absorb": "kvlab.model.mla",
+    "set_absorb": "kvlab.model.decoder",
     "to_hf": "kvlab.model.hf",
 }
 

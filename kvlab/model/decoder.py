@@ -226,3 +226,12 @@ class Decoder(nn.Module):
                 if i + 1 < max_new_tokens:
                     logits = self.decode_step(out[:, i], cache)
         return out[0] if squeeze else out
+
+
+def set_absorb(model: Decoder, absorb: bool) -> Decoder:
+    """Switch every MLA layer of ``model`` to the absorbed (``True``) or the naive (``False``) path; returns it."""
+    if model.cfg.mla is None:
+        raise ValueError(f"model: {model.cfg.name} has no MLA layers; allowed: a Decoder built with mla=MLAConfig")
+    for block in model.layers:
+        block.attn.absorb = absorb
+    return model

@@ -28,8 +28,6 @@ decode applies it (``q_nope -> latent``); the naive path reads it transposed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn as nn
 
@@ -37,9 +35,6 @@ from kvlab.cache.base import KVCache
 from kvlab.kernels.reference import causal_attention
 from kvlab.model.layers import RMSNorm, RotaryEmbedding, apply_rope
 from kvlab.spec.config import ModelConfig
-
-if TYPE_CHECKING:
-    from kvlab.model.decoder import Decoder
 
 
 class MLAAttention(nn.Module):
@@ -119,12 +114,3 @@ class MLAAttention(nn.Module):
         grouped = torch.cat((q_latent, q_rope.transpose(1, 2)), dim=-1)[:, None]
         out_latent = cache.attend(self.layer, grouped)[:, 0]  # [B, H, T, r]
         return (out_latent @ self.w_uv).transpose(1, 2)
-
-
-def set_absorb(model: Decoder, absorb: bool) -> Decoder:
-    """Switch every MLA layer of ``model`` to the absorbed (``True``) or the naive (``False``) path; returns it."""
-    if model.cfg.mla is None:
-        raise ValueError(f"model: {model.cfg.name} has no MLA layers; allowed: a Decoder built with mla=MLAConfig")
-    for block in model.layers:
-        block.attn.absorb = absorb
-    return model
