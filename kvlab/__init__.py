@@ -8,6 +8,7 @@ surface in its ``__init__``; the README's layout table lists them, lowest layer 
 
 from __future__ import annotations
 
+from kvlab import _moved
 from kvlab._lazy import lazy_exports
 
 # public name -> the module that defines it
@@ -32,3 +33,4 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+_moved.install()  # the module paths of the previous release, for notebooks written against them

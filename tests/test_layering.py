@@ -26,7 +26,7 @@ import pytest
 import kvlab
 
 LEVELS: tuple[tuple[str, ...], ...] = (
-    ("kvlab", "kvlab._lazy", "kvlab.data", "kvlab.spec", "kvlab.spec.*"),
+    ("kvlab", "kvlab._lazy", "kvlab._moved", "kvlab.data", "kvlab.spec", "kvlab.spec.*"),  # _moved: old paths (shims)
     ("kvlab.roofline", "kvlab.roofline.*", "kvlab.metrics"),
     ("kvlab.machine", "kvlab.machine.*"),
     ("kvlab.kernels", "kvlab.kernels.*"),
