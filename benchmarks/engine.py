@@ -4,7 +4,7 @@
     python benchmarks/engine.py --quick          # a small model and trace, a smoke run
     python benchmarks/engine.py --batches 1,4,16 --rates inf,20,5 --requests 32 --threads 2
 
-For each (max_batch, arrival rate) it plays one trace twice through ``kvlab.engine.engine.Engine``: once on the real clock
+For each (max_batch, arrival rate) it plays one trace twice through ``kvlab.engine.Engine``: once on the real clock
 (measured), once on a ``SimulatedClock`` that charges every model call the roofline's time, the larger of its bytes
 over the read bandwidth and its FLOPs over the matmul rate, both measured here at the same thread count
 (predicted). Rate ``inf`` sends every request at time 0; a finite rate draws Poisson arrivals (requests per second)

@@ -286,7 +286,8 @@ def kernels(check: Check, bw: Bandwidth) -> dict:
         fit = fit_line(contexts, [p["ms"] for p in record["points"]])
         record["slope_us_per_token"], record["intercept_ms"], record["r2"] = fit.slope * 1e3, fit.intercept, fit.r2
     fused = fused_kernels(device)
-    results["reader"] = "kvlab.kernels.triton" if fused is not None else "torch (kvlab.kernels.reference, kvlab.cache.codec.stores)"
+    torch_reader = "torch (kvlab.kernels.reference, kvlab.cache.codec.stores)"
+    results["reader"] = "kvlab.kernels.triton" if fused is not None else torch_reader
 
     def draw(plt):
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -401,7 +402,8 @@ def triton_interpreter(check: Check) -> dict:
         raise AssertionError(f"the interpreter probe exited {done.returncode}:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
     if result["max_abs_diff"] > 1e-5:
-        raise AssertionError(f"Triton (interpreted) against kvlab.kernels.reference: max |diff| {result['max_abs_diff']:.3g}")
+        diff = result["max_abs_diff"]
+        raise AssertionError(f"Triton (interpreted) against kvlab.kernels.reference: max |diff| {diff:.3g}")
     return result
 
 

@@ -161,7 +161,9 @@ class WeakHashMachine(BlockPoolMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.patch = mock.patch("kvlab.cache.storage.block_pool.chain_hash", lambda parent_hash, tokens: sum(tokens) % 2)
+        self.patch = mock.patch(
+            "kvlab.cache.storage.block_pool.chain_hash", lambda parent_hash, tokens: sum(tokens) % 2
+        )
         self.patch.start()
 
     def teardown(self) -> None:

@@ -244,7 +244,7 @@ def test_begin_fork_and_feed_tokens_keep_pool_sequences_outside_the_batch() -> N
 # -- the model -------------------------------------------------------------------------------------------------------
 @pytest.mark.skipif(
     not RAGGED_DECODER,
-    reason="kvlab.model.decoder.Decoder._run does not yet rope a ragged batch at per-sequence positions (a tensor reserve)",
+    reason="Decoder._run does not yet rope a ragged batch at per-sequence positions (a tensor reserve)",
 )
 @pytest.mark.parametrize("layer_windows", [None, (5, None)], ids=["global", "local"])
 def test_ragged_model_decode_equals_each_sequence_alone(layer_windows: tuple | None) -> None:

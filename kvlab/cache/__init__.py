@@ -6,7 +6,8 @@
 - policy (``policy/``), which tokens stay: everything, ``WindowKVCache`` (sinks + a window, or a model's local
   layers), ``HeavyHitterKVCache`` (H2O);
 - codec (``codec/``), how their bytes are encoded: any of ``kvlab.spec.KV_DTYPES``, through ``get_codec`` and the
-  stores (``QuantizedKVCache`` is KIVI's own layout: keys grouped along tokens, which only an append-only slab allows)."""
+  stores (``QuantizedKVCache`` is KIVI's own layout: keys grouped along tokens, which only an append-only slab
+  allows)."""
 
 from kvlab._lazy import lazy_exports
 

@@ -205,7 +205,7 @@ def _label(cfg: ModelConfig) -> str:
 
 
 def _timed_together(sweeps: Mapping[str, Any], fix: str) -> None:
-    """Each of ``sweeps`` (named as the learner knows it) is a ``kvlab.measure.sweep.Sweep``, and all were timed against one
+    """Each of ``sweeps`` (named as the learner knows it) is a ``kvlab.measure.Sweep``, and all were timed against one
     ``Bandwidth`` measurement (the same object): a comparison of sweeps is fair only when they shared the machine's
     state, in one process. ``fix`` says what to pass instead of something that is not a Sweep."""
     for name, sweep in sweeps.items():

@@ -2,7 +2,7 @@
 
 A ``ChatTrace`` is the service's traffic: sessions that start over time, each a system prompt shared by every
 session, then turns (a user message; a reply of a known length), each sent a think time after the previous reply
-ended. ``replay`` plays it through ``kvlab.engine.engine.Engine`` as a closed loop (``Engine.run``'s ``follow_up``): each
+ended. ``replay`` plays it through ``kvlab.engine.Engine`` as a closed loop (``Engine.run``'s ``follow_up``): each
 turn's prompt is the conversation so far, the generated replies included, so a prefix cache sees what a real one
 would. A ``Fix`` is what a team can ship without touching the model: prefix caching, a KV dtype, a window with sinks,
 a session cap (``kvlab.measure.session.turns_to_drop``, the rule ``kvlab.measure.session.ChatSession`` applies).

@@ -291,7 +291,7 @@ def check_passkey_kept(
 ) -> None:
     """``fn(context, depth, window, sinks)`` -> whether the passkey is still in the cache when ``<|ask|>`` is read.
 
-    The prompt is ``kvlab.measure.quality.needle_prompts``'s: ``context`` tokens, the passkey at ``round(depth x (context
+    The prompt is ``kvlab.measure.needle_prompts``'s: ``context`` tokens, the passkey at ``round(depth x (context
     - 2))``, ``<|ask|>`` last, at ``context - 1``; the answer is predicted at the step that reads ``<|ask|>``, when
     the cache has seen ``context`` tokens.
     """

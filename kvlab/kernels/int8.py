@@ -17,9 +17,9 @@ def int8_key_scores(
 
     ``qs``: ``[B, Hkv, g, D]`` fp32; ``codes``: ``[B, Hkv, S, D]`` int8, grouped on the channel dim (dim 3) in
     ``nJ`` groups of ``group_size``; ``scale``, ``bias``: ``[B, Hkv, S, nJ]``. Returns ``[B, Hkv, g, S]``.
-    With ``k ~= scale * code + bias`` per (token, channel group) and q quantized per row as ``q ~= sigma * qi``, channel group j contributes
-    ``sigma * scale_j * (qi_j . code_j) + bias_j * sum(q_j)``: one int8 matmul per head, then fp32 work over
-    ``[nJ, g, S]`` only, ``D / (g * nJ)`` times less than the keys.
+    With ``k ~= scale * code + bias`` per (token, channel group) and q quantized per row as ``q ~= sigma * qi``,
+    channel group j contributes ``sigma * scale_j * (qi_j . code_j) + bias_j * sum(q_j)``: one int8 matmul per
+    head, then fp32 work over ``[nJ, g, S]`` only, ``D / (g * nJ)`` times less than the keys.
     """
     b, h, g, d = qs.shape
     n_tokens, n_groups = codes.shape[2], math.ceil(d / group_size)

@@ -59,7 +59,7 @@ def breakdown(
     weights = layer_weights(model)
     # Activations of the right width; their values do not change a matvec's time.
     inputs = [[torch.randn(1, w.shape[0]) for w in layer] for layer in weights]
-    # one new token's queries, grouped by the KV head they share: [B, Hkv, G, T, D] (kvlab.model.attention.group_queries)
+    # one new token's queries, grouped by the KV head they share: [B, Hkv, G, T, D] (model.attention.group_queries)
     groups = cfg.n_heads // cfg.n_kv_heads
     q = torch.randn(1, cfg.n_kv_heads, groups, 1, cfg.head_dim)
     # attention's two products on their own: q·K over the key-major keys, then p·V (see kvlab.kernels.reference)

@@ -10,7 +10,7 @@ the stream will reach. The default, ``kvlab.cache.base.default_cache``, is the m
 every token.
 
 ``bos``: a model trained with a beginning-of-text token in front of every sequence (``pretrained_info(name)
-["training"]["bos"]``) should meet one in front of every segment and prompt too; pass its id (``kvlab.model.tokenizer.EOT``)
+["training"]["bos"]``) should meet one in front of every segment and prompt too; pass its id (``kvlab.model.EOT``)
 and each starts with it, unscored. ``attention_sink_share`` measures whether such a token became an attention sink.
 """
 

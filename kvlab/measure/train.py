@@ -481,7 +481,8 @@ queries give {first}, per layer: {", ".join(f"{r:.1f}x" for r in ratios)} an eve
 
 
 def parser() -> argparse.ArgumentParser:
-    """``python -m kvlab.measure.train``'s options: one per ``TrainConfig`` field, then where to write the checkpoint."""
+    """``python -m kvlab.measure.train``'s options: one per ``TrainConfig`` field, then where to write the
+    checkpoint."""
     cli = argparse.ArgumentParser(prog="python -m kvlab.measure.train", description=__doc__.split("\n\n")[0])
     for f in dataclasses.fields(TrainConfig):
         flag = f"--{f.name.replace('_', '-')}"

@@ -1,6 +1,6 @@
 """The layers a Llama-style block is built from: RMSNorm, rotary position embeddings (RoPE) and SwiGLU.
 
-Weights are stored ``[in, out]`` and applied through ``kvlab.model.weights.WeightFormat``: ``x @ W`` in the model's weight
+Weights are stored ``[in, out]`` and applied through ``kvlab.model.WeightFormat``: ``x @ W`` in the model's weight
 precision, by the kernel that reads those bytes fastest (see ``kvlab.model.decoder``).
 """
 

@@ -7,7 +7,8 @@ Special tokens, each written in text as ``<|...|>``:
 
 - ``<|endoftext|>`` (``EOT``) ends a document.
 - ``<|passkey:N|>`` for ``N`` in ``0 .. N_PASSKEYS-1`` and ``<|ask|>`` (``ASK``) make the passkey-retrieval task
-  (``kvlab.measure.quality``): a passkey planted somewhere in the text, and a question after which the model must repeat it.
+  (``kvlab.measure.quality``): a passkey planted somewhere in the text, and a question after which the model must
+  repeat it.
   A passkey is one token, so its key and value vectors are exactly what a cache policy keeps or drops.
 """
 

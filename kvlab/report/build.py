@@ -492,8 +492,8 @@ def _mitigations(target: Target, p: Prediction, context: int, batch: int) -> lis
         draft_bytes = round(fraction * p.bytes_per_step)
         draft_memory = round(fraction * (p.weight_bytes + p.kv_bytes))
         drafter = (
-            f"a draft reading {fraction:.1%} of the target's bytes a step ({gb_text(draft_bytes)}), and holding that share "
-            "of its weights and KV in memory"
+            f"a draft reading {fraction:.1%} of the target's bytes a step ({gb_text(draft_bytes)}), and holding that "
+            "share of its weights and KV in memory"
         )
         flags = ["--draft-fraction", repr(fraction)]
     k = best_speculation_k(

@@ -182,7 +182,8 @@ def _sections(report: dict, images: dict[str, str]) -> list[tuple[str, str, str 
         out.append(
             (
                 "Memory",
-                f"{gb_text(m['free_for_kv_bytes'])} left for KV beside the weights; {gb_text(m['kv_bytes_per_sequence'])} per "
+                f"{gb_text(m['free_for_kv_bytes'])} left for KV beside the weights; "
+                f"{gb_text(m['kv_bytes_per_sequence'])} per "
                 f"sequence at {i['context']:,} tokens: at most batch {m['max_batch_at_context']:,}, or "
                 f"{m['max_context_at_batch']:,} tokens at batch {i['batch']}. {m['caveat']}.",
                 "memory",

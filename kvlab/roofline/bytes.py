@@ -17,7 +17,7 @@ Each part of a checkpoint is counted in the dtype it ships in (``ModelConfig.wei
 gpt-oss's MXFP4 experts), and quantized weights count their group scales (``weight_element_bytes``). The sources of
 every model fact are in ``kvlab/data/reference_presets.md``.
 
-The ceilings these counts are judged against are measured by ``kvlab.machine.timing`` (bandwidth, matmul FLOP/s), or come
+The ceilings these counts are judged against are measured by ``kvlab.machine`` (bandwidth, matmul FLOP/s), or come
 from datasheets (``kvlab.spec.presets``).
 """
 

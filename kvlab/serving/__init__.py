@@ -1,5 +1,6 @@
 """HTTP in and out: ``kvlab serve`` (an OpenAI-compatible server over the engine, ``kvlab.serving.server``) and
-``kvlab bench --endpoint`` (a torch-free benchmark client for any OpenAI-compatible server, ``kvlab.serving.client``)."""
+``kvlab bench --endpoint`` (a torch-free benchmark client for any OpenAI-compatible server,
+``kvlab.serving.client``)."""
 
 from kvlab._lazy import lazy_exports
 

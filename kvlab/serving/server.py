@@ -31,7 +31,7 @@ Any other field is refused with a 400 naming it, unless it holds the value that 
 ``response_format: {"type": "text"}``, penalties of 0, ``repetition_penalty: 1``, ``logprobs: null``, ...): a
 client never gets a 200 for something it asked for and did not get.
 
-Text is the byte-level kvlab tokenizer (``kvlab.model.tokenizer``); a shipped checkpoint trained with a beginning-of-text
+Text is the byte-level kvlab tokenizer (``kvlab.model``'s); a shipped checkpoint trained with a beginning-of-text
 token gets it before every text prompt (and ``usage`` counts it), while a list of ids is served as given. A model whose
 vocabulary reaches past the tokenizer's (a preset's or a Hugging Face checkpoint's) may emit ids the tokenizer has no
 text for: each is written ``<|id:N|>``, and a text prompt reads ``<|id:N|>`` back as id ``N``, so output text fed back

@@ -28,7 +28,7 @@ BYTES_PER_ELEMENT: dict[str, float] = {
 # without calibration; the scale is a constant of the model, not stored per group, so it costs no KV bytes.
 KV_DTYPES: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "fp8-tensor", "int8", "int4")
 
-# Statistics a quantized KV dtype stores per group of elements, each one fp16 (KIVI's layout, as kvlab.cache.codec.codecs
+# Statistics a quantized KV dtype stores per group of elements, each one fp16 (KIVI's layout, as kvlab.cache.codec
 # stores it): fp8 a scale; int8 and int4 a scale and a zero point. Float KV dtypes are a cast and store none.
 KV_GROUP_STATS: dict[str, int] = {"fp8": 1, "int8": 2, "int4": 2}
 GROUP_STAT_BYTES = 2
