@@ -70,6 +70,7 @@ import torch
 
 from kvlab.cache.base import CacheCapacityError, CacheShape, KVCache, Rotate, kv_codec, refuse_latent
 from kvlab.cache.codec.stores import fused_kernels, make_store
+from kvlab.cache.policy.keep import KeepPolicy
 from kvlab.cache.storage.block_pool import HOLE, BlockPool, int_tuple, shared_prefix_blocks
 from kvlab.kernels.reference import (
     MAX_SCORES,
@@ -77,8 +78,8 @@ from kvlab.kernels.reference import (
     attention_with_probs,
     cascade_decode_attention,
     decode_attention,
-    window_mask,
 )
+from kvlab.spec.keep import SinksAndWindow, Span, count_blocks
 from kvlab.spec.validation import require_int
 
 TABLE_ENTRY_BYTES = 4  # block tables are int32, as in vLLM and FlashInfer
@@ -123,11 +124,7 @@ class PagedKVCache(KVCache):
     ) -> None:
         super().__init__(shape, batch_size, capacity)
         require_int("block_size", block_size)
-        if window is not None:
-            require_int("window", window, 1)
-        require_int("sinks", sinks, 0)
-        if sinks and window is None:
-            raise ValueError(f"sinks: {sinks} without a window; allowed: 0, or give window (an integer >= 1) too")
+        SinksAndWindow(window, sinks)  # refuses sinks without a window, as KeepPolicy takes a global layer's
         if window is not None and cascade:
             raise ValueError("cascade: True with a window is not supported; allowed: cascade=False with a window")
         if n_blocks is None:
@@ -143,6 +140,8 @@ class PagedKVCache(KVCache):
         self.pool = BlockPool(n_blocks, block_size)
         self.cascade = cascade
         self.window, self.sinks = window, sinks
+        # A block holds every layer's K/V, so the window is one for all layers.
+        self.keep = KeepPolicy([window] * shape.n_layers, sinks, shape.n_layers)
         if window is not None:  # the tokens a rollback would bring back may already be gone
             self._rolls_back = False
             self._no_rollback = (
@@ -325,18 +324,12 @@ class PagedKVCache(KVCache):
         self, layer: int, q: torch.Tensor, window: int | None = None, rotate: Rotate | None = None
     ) -> torch.Tensor:
         self._read_windows[layer] = window
-        if self.window is not None:
-            if not self._ragged:
+        if q.shape[-2] > 1:  # a batch at one length: a ragged one steps a token per row
+            if self.window is not None:
                 return self._attend_kept(layer, q, self._table, self._start, self.length, window)
-            rows = [
-                self._attend_kept(layer, q[i : i + 1], self._table[i : i + 1], n - 1, n, window)
-                for i, n in enumerate(self._lengths)
-            ]
-            return torch.cat(rows)
-        if q.shape[-2] > 1:
             return attend_slab(q, *self._gather(layer, self._table, 0, self.length), self._start, window)
         fused = fused_kernels(q.device)
-        if fused is not None and not self._cascade_blocks():
+        if fused is not None and not self._cascade_blocks() and self.window is None:
             # One launch for the batch, ragged or not, reading each row's blocks in place through its table.
             lengths = torch.tensor(self._lengths, dtype=torch.int32, device=self.device)
             keys, values, size = self._keys[layer], self._values[layer], self.block_size
@@ -362,12 +355,8 @@ class PagedKVCache(KVCache):
                 f"read: the batch's sequences are at different lengths ({self._lengths}), which no [B, Hkv, S, D] "
                 "holds; allowed: a batch at one length; use([seq_id]) to read one sequence"
             )
-        if self.window is not None:
-            n = self.length
-            k, v, positions = self._gather_kept(layer, self._table, n - 1, n, None)
-            kept = window_mask(torch.tensor([n - 1], device=self.device), positions, self.window, self.sinks)[0]
-            return k[..., kept, :], v[..., kept, :]
-        k_t, v = self._gather(layer, self._table, 0, self.length)
+        n = self.length
+        k_t, v = self._gather_spans(layer, self._table, self.keep.spans(layer, n - 1, n) or [(0, 0)])
         return k_t.transpose(-1, -2), v
 
     # -- bytes --------------------------------------------------------------------------------------------------
@@ -404,17 +393,13 @@ class PagedKVCache(KVCache):
         contexts = self._lengths if context is None else [context] * self.batch_size
         size = self.block_size
         shared = min(self._cascade_blocks(), max(longest - 1, 0) // size)
-        # n_read: blocks (of one layer) and table entries, summed over layers
-        if self.window is not None:  # no cascade: each sequence reads its own kept blocks
-            n_read = sum(len(self._kept_blocks(n - 1, n, w)) for w in self._read_windows for n in contexts if n)
-        else:
-            n_read = 0
-            for window in self._read_windows:
-                skips = [0 if window is None else max(0, n - window) // size for n in contexts]
-                # Blocks are shared only in a batch at one length (cascade), where every row skips the same blocks.
-                layer_shared = max(0, shared - min(skips, default=0))
-                own = (math.ceil(n / size) - skip - layer_shared for n, skip in zip(contexts, skips, strict=True))
-                n_read += layer_shared + sum(own)
+        n_read = 0  # blocks (of one layer) and table entries, summed over layers
+        for layer, window in enumerate(self._read_windows):
+            spans = [self.keep.spans(layer, n - 1, n, window) for n in contexts if n]
+            # Blocks are shared only in a batch at one length (cascade, no cache window), where every row skips
+            # the same blocks.
+            layer_shared = max(0, shared - min((s[0][0] // size for s in spans), default=0))
+            n_read += layer_shared + sum(count_blocks(s, size) - layer_shared for s in spans)
         layer_block_bytes = self.block_size * self._layer_token_bytes
         return round(n_read * layer_block_bytes) + n_read * TABLE_ENTRY_BYTES
 
@@ -479,32 +464,25 @@ class PagedKVCache(KVCache):
         if self.window is None:
             return False
         released = False
-        first_kept = math.ceil(self.sinks / self.block_size)
         for seq_id in self._seq_ids:
             table, n = self.pool.block_table(seq_id), self.pool.length(seq_id)
             # Walk back from the newest evicted block: the ones before it went back on earlier steps (holes), unless
             # the sequence began with prefix hits, whose blocks this walk then gives back too.
-            index = max(0, n + 1 - self.window) // self.block_size - 1
-            while index >= first_kept and table[index] != HOLE:
+            for index in reversed(self.keep.blocks_gone(n, self.block_size)):
+                if table[index] == HOLE:
+                    break
                 self.pool.release_block(seq_id, index)
-                released, index = True, index - 1
+                released = True
         return released
-
-    def _kept_blocks(self, first: int, end: int, layer_window: int | None) -> list[int]:
-        """Table indices of the blocks holding a token some query at ``first .. end-1`` sees (window, sinks and the
-        layer's window): the first query reaches furthest back, and every later one sees up to ``end``."""
-        reach = 0 if layer_window is None else max(0, first + 1 - layer_window)  # the layer's window, sinks included
-        recent = max(reach, first + 1 - self.window)
-        spans = ((reach, min(self.sinks, end)), (recent, end))
-        size = self.block_size
-        return sorted({i for lo, hi in spans if hi > lo for i in range(lo // size, math.ceil(hi / size))})
 
     def _gather_kept(
         self, layer: int, table: torch.Tensor, first: int, end: int, layer_window: int | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The blocks ``_kept_blocks`` names, whole: ``k``, ``v``: ``[B, Hkv, n, D]`` (floats) and each slot's
-        position ``[n]`` (a partial block's slots past ``end`` included: a mask must hide them)."""
-        index = torch.tensor(self._kept_blocks(first, end, layer_window), dtype=torch.long, device=self.device)
+        """The blocks holding a position some query at ``first .. end-1`` sees, whole: ``k``, ``v``: ``[B, Hkv, n,
+        D]`` (floats) and each slot's position ``[n]`` (a partial block's slots past ``end`` included: a mask must
+        hide them)."""
+        kept = self.keep.blocks_read(layer, first, end, layer_window, self.block_size)
+        index = torch.tensor(kept, dtype=torch.long, device=self.device)
         blocks = table[:, index]
         k = self._keys[layer].take_blocks(blocks, self.block_size)
         v = self._values[layer].take_blocks(blocks, self.block_size)
@@ -514,10 +492,11 @@ class PagedKVCache(KVCache):
     def _attend_kept(
         self, layer: int, q: torch.Tensor, table: torch.Tensor, first: int, end: int, layer_window: int | None
     ) -> torch.Tensor:
-        """The cache window's step: queries ``q`` (``[B, Hkv, G, T, D]``) at positions ``first .. end-1`` over the
-        kept blocks of ``table`` (``[B, m]``, rows at one length), each query masked to its own keep-set -> ``[B,
-        Hkv, G, T, D]``. Slots a query must not see (evicted from its window, past it, or the unwritten tail of the
-        last block, which holds zeros or an older sequence's finite K/V) score ``-inf`` and weigh exactly 0."""
+        """The cache window's multi-token step: queries ``q`` (``[B, Hkv, G, T, D]``) at positions ``first ..
+        end-1`` over the kept blocks of ``table`` (``[B, m]``, rows at one length), each query masked to its own
+        keep-set -> ``[B, Hkv, G, T, D]``. Slots a query must not see (evicted from its window, past it, or the
+        unwritten tail of the last block, which holds zeros or an older sequence's finite K/V) score ``-inf`` and
+        weigh exactly 0."""
         b, hkv, g, n_q, _ = q.shape
         n_slots = n_q + self.sinks + self.window + 3 * self.block_size  # at least the slots the step gathers
         block = max(1, MAX_SCORES // (b * hkv * g * n_slots))
@@ -531,25 +510,34 @@ class PagedKVCache(KVCache):
             return torch.cat(parts, dim=-2)
         k, v, positions = self._gather_kept(layer, table, first, end, layer_window)
         q_positions = torch.arange(first, end, device=self.device)
-        mask = window_mask(q_positions, positions, self.window, self.sinks)
-        mask &= window_mask(q_positions, positions, layer_window)
+        mask = self.keep.mask(layer, q_positions, positions, layer_window)
         return attention_with_probs(q, k.transpose(-1, -2), v, mask)[0]
 
     def _decode(
         self, layer: int, q: torch.Tensor, table: torch.Tensor, length: int, window: int | None
     ) -> torch.Tensor:
         """One query per row (``q``: ``[B, Hkv, G, D]``) over the ``length`` tokens of ``table``'s rows (``[B, m]``,
-        at one length). Only the blocks holding the window's tokens, ``[first, length)``, are gathered."""
-        first = 0 if window is None else max(0, length - window)
-        skip_blocks = first // self.block_size
-        n_shared = self._cascade_blocks()
-        if n_shared > skip_blocks:
+        at one length). Only the positions the query sees (``self.keep``: the layer's window, the cache's sinks
+        and window) are gathered."""
+        spans = self.keep.spans(layer, length - 1, length, window)
+        first = spans[0][0]
+        n_shared = self._cascade_blocks()  # no cascade with a cache window: then one span, ending at ``length``
+        if n_shared > first // self.block_size:
+            skip_blocks = first // self.block_size
             prefix = n_shared * self.block_size
             prefix_k_t, prefix_v = self._gather(layer, table[:1, skip_blocks:n_shared], first, prefix)
             suffix = self._gather(layer, table[:, n_shared:], prefix, length)
             return cascade_decode_attention(q, prefix_k_t[0], prefix_v[0], *suffix)
-        own = table[:, skip_blocks : math.ceil(length / self.block_size)]
-        return decode_attention(q, *self._gather(layer, own, first, length))
+        return decode_attention(q, *self._gather_spans(layer, table, spans))
+
+    def _gather_spans(self, layer: int, table: torch.Tensor, spans: list[Span]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The positions of ``spans`` (sorted, disjoint) in the blocks of ``table`` (``[B, m]``), in order, as
+        ``k_t``: ``[B, Hkv, D, n]`` and ``v``: ``[B, Hkv, n, D]`` (floats)."""
+        size = self.block_size
+        parts = [self._gather(layer, table[:, lo // size : math.ceil(hi / size)], lo, hi) for lo, hi in spans]
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([k for k, _ in parts], dim=-1), torch.cat([v for _, v in parts], dim=-2)
 
     def _gather(self, layer: int, table: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions ``start .. end-1`` of the blocks ``table`` (``[B, m]``) lists, its first block being the one
