@@ -449,7 +449,7 @@ LATENT = CacheShape(n_layers=2, n_kv_heads=1, head_dim=40, latent_values=32)
         (_window, dict(capacity=0), r"capacity: 0 .*allowed: an integer >= 1"),
         (_window, dict(codec="int3"), r"codec: .*'int3'.*allowed: .*int8"),
         (_window, dict(batch_size=0), r"batch_size: 0 .*allowed: an integer >= 1"),
-        (_window, dict(shape=LATENT), r"shape: an MLA latent .*allowed: per-head K/V"),
+        (_window, dict(shape=LATENT, positions="reassigned"), r"positions: 'reassigned' with an MLA latent"),
         (_h2o, dict(heavy=-1), r"heavy: -1 .*allowed: an integer >= 0"),
         (_h2o, dict(recent=0), r"recent: 0 .*allowed: an integer >= 1"),
         (_h2o, dict(shape=LATENT), r"shape: an MLA latent .*allowed: per-head K/V"),

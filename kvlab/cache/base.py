@@ -127,8 +127,15 @@ def refuse_latent(shape: CacheShape, cache: str) -> None:
     if shape.latent_values is not None:
         raise ValueError(
             f"shape: an MLA latent (latent_values={shape.latent_values}), which {cache} does not store; allowed: "
-            "per-head K/V (an MHA, GQA or MQA model); for MLA use LatentKVCache, in any codec"
+            "per-head K/V (an MHA, GQA or MQA model); for MLA use LatentKVCache (or WindowKVCache), in any codec"
         )
+
+
+def check_latent_value(shape: CacheShape, k: torch.Tensor, v: torch.Tensor) -> None:
+    """For an MLA latent's shape, raise unless ``v`` is ``k[..., :latent_values]`` (the same bytes, stored once)."""
+    r = shape.latent_values
+    if r is not None and (v.data_ptr() != k.data_ptr() or v.shape != k[..., :r].shape):
+        raise ValueError(f"v: must be k[..., :{r}]; MLA's value is the latent itself, stored once")
 
 
 class KVCache(ABC):
@@ -152,8 +159,8 @@ class KVCache(ABC):
     def __init__(self, shape: CacheShape, batch_size: int = 1, capacity: int | None = None) -> None:
         if not isinstance(shape, CacheShape):
             raise ValueError(
-                f"shape: {type(shape).__name__}; allowed: a kvlab.cache.CacheShape (CacheShape.from_config(cfg, device), or "
-                "Cache.for_model(model, ...))"
+                f"shape: {type(shape).__name__}; allowed: a kvlab.cache.CacheShape (CacheShape.from_config(cfg, "
+                "device), or Cache.for_model(model, ...))"
             )
         require_int("batch_size", batch_size, 1)
         if capacity is not None:

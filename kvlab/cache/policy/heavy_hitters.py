@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.cache.base import CacheShape, Rotate
+from kvlab.cache.base import CacheShape, Rotate, refuse_latent
 from kvlab.cache.policy.slots import FixedSlotsKVCache
 from kvlab.kernels.reference import attention_with_probs, window_mask
 from kvlab.spec.validation import require_int
@@ -53,6 +53,7 @@ class HeavyHitterKVCache(FixedSlotsKVCache):
         group_size: int = 32,
     ) -> None:
         super().__init__(shape, batch_size, capacity, codec=codec, group_size=group_size)
+        refuse_latent(shape, "HeavyHitterKVCache")  # H2O's per-head scores have no latent counterpart here
         require_int("heavy", heavy, 0)
         require_int("recent", recent, 1)  # the newest token must stay: its own query attends to it
         self.heavy, self.recent = heavy, recent

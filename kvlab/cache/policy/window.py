@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvlab.cache.base import CacheShape, Rotate
+from kvlab.cache.base import CacheShape, Rotate, check_latent_value
 from kvlab.cache.codec.stores import attend_stores
 from kvlab.cache.policy.keep import KeepPolicy
 from kvlab.cache.policy.slots import FixedSlotsKVCache
@@ -44,6 +44,7 @@ class WindowKVCache(FixedSlotsKVCache):
     - ``positions``: ``"original"`` or ``"reassigned"`` (see the module docstring).
     - ``capacity``: the most tokens a sequence may reach; ``None`` (unbounded) when every layer is local.
     - ``codec``, ``group_size``: how the kept K/V are stored (``FixedSlotsKVCache``).
+    - An MLA latent's shape (``CacheShape.latent_values``) keeps latents, in original positions.
 
     A multi-token step gives each of its queries its own window, so it equals feeding its tokens one at a time.
     """
@@ -66,6 +67,10 @@ class WindowKVCache(FixedSlotsKVCache):
         self.keep = KeepPolicy(window, sinks, self.n_layers)
         if positions not in POSITIONS:
             raise ValueError(f"positions: {positions!r} is not allowed; allowed: {', '.join(map(repr, POSITIONS))}")
+        if positions == "reassigned" and shape.latent_values is not None:
+            raise ValueError(
+                "positions: 'reassigned' with an MLA latent, whose queries are roped in part only; allowed: 'original'"
+            )
         self.sinks, self.positions = sinks, positions
         self._allocate([self.keep.bound(layer) for layer in range(self.n_layers)])
         # A multi-token step that evicts tokens its own queries still need attends over this copy instead:
@@ -126,6 +131,7 @@ class WindowKVCache(FixedSlotsKVCache):
         return super().reserve(n_new)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        check_latent_value(self.shape, k, v)
         start, end, t = self._start, self._seen, k.shape[1]
         if t == 1 or self.held(layer, end) == end:  # one slot, or nothing evicted: consecutive slots, in place
             first = self._slots(layer, start)
@@ -144,11 +150,12 @@ class WindowKVCache(FixedSlotsKVCache):
         self, layer: int, q: torch.Tensor, window: int | None = None, rotate: Rotate | None = None
     ) -> torch.Tensor:
         self._read_windows[layer] = window
-        keys, values = self._keys[layer], self._values[layer]
+        keys, r = self._keys[layer], self.shape.latent_values
+        values = self._values[layer] if self._values else None  # None: a latent, its own value
         view = self._views.pop(layer, None)
         if view is None and self.held(layer) == self._seen:
             # Nothing evicted yet: slot i holds position i, a slab (the model's window applied as it reads).
-            return attend_stores(q, keys, values, self._seen, self._start, window)
+            return attend_stores(q, keys, values, self._seen, self._start, window, value_dim=r)
         sink_q = self._sink_query(layer, rotate)
         q_positions = torch.arange(self._start, self._seen, device=self.device)
         if view is not None:
@@ -158,7 +165,7 @@ class WindowKVCache(FixedSlotsKVCache):
             oldest = 0 if self.sinks else self._seen - self.windows[layer]
             everything_visible = window is None or oldest > self._start - window
             if sink_q is None and everything_visible:  # the common decode step: every kept slot, in any order
-                return attend_stores(q, keys, values, self.held(layer), self._start)
+                return attend_stores(q, keys, values, self.held(layer), self._start, value_dim=r)
             k, v = self.read(layer)
             positions = self._slot_positions(layer, self._seen)
             mask = None if everything_visible else self.keep.mask(layer, q_positions, positions, window)
