@@ -321,8 +321,8 @@ def test_the_residual_keeps_k_and_v_in_the_dtype_they_arrive_in():
 def test_a_sliding_window_is_refused():
     cache = _cache()
     _filled([cache], [3])
-    with pytest.raises(ValueError, match="^window: 2 .*QuantizedKVCache"):
-        cache.attend(0, _queries(1, seed=0), window=2)
+    with pytest.raises(ValueError, match="^layer_window: 2 .*QuantizedKVCache"):
+        cache.attend(0, _queries(1, seed=0), layer_window=2)
 
 
 # -- arguments -----------------------------------------------------------------------------------------------------

@@ -270,8 +270,8 @@ def test_a_sliding_window_is_refused():
     cache.reserve(1)
     k = torch.randn(1, 1, 1, LATENT)
     cache.append(0, k, k[..., :32])
-    with pytest.raises(ValueError, match="^window: 4 .*LatentKVCache"):
-        cache.attend(0, torch.randn(1, 1, 4, 1, LATENT), window=4)
+    with pytest.raises(ValueError, match="^layer_window: 4 .*LatentKVCache"):
+        cache.attend(0, torch.randn(1, 1, 4, 1, LATENT), layer_window=4)
 
 
 class DecodedLatents(LatentKVCache):

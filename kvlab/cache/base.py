@@ -11,7 +11,7 @@ attention reads them (the layout of the bytes decides how fast a step can stream
 
     start = cache.reserve(n_new)                    # once per step, before any layer writes
     cache.append(layer, k, v)                       # per layer: store the new tokens' K/V
-    out = cache.attend(layer, q, window, rotate)    # per layer: the new queries over what the cache keeps
+    out = cache.attend(layer, q, layer_window, rotate)    # per layer: the new queries over what the cache keeps
 
 The attention module (``kvlab.model.attention``) owns the model's rules: it scales and groups the queries, and tells
 the cache the layer's window. A cache stores, evicts, encodes and reads. Every cache reports the quantities the
@@ -116,10 +116,10 @@ def kv_codec(codec: str | None, shape: CacheShape) -> str:
     return canonical_dtype(codec or shape.dtype, "codec", KV_DTYPES)
 
 
-def refuse_window(window: int | None, cache: str, fix: str) -> None:
-    """Raise unless ``window`` is ``None``: for a cache that cannot restrict a step to a sliding window."""
-    if window is not None:
-        raise ValueError(f"window: {window} (a sliding-window layer) is not supported by {cache}; {fix}")
+def refuse_window(layer_window: int | None, cache: str, fix: str) -> None:
+    """Raise unless ``layer_window`` is ``None``: for a cache that cannot restrict a step to a sliding window."""
+    if layer_window is not None:
+        raise ValueError(f"layer_window: {layer_window} (a sliding-window layer) is not supported by {cache}; {fix}")
 
 
 def refuse_latent(shape: CacheShape, cache: str) -> None:
@@ -201,12 +201,13 @@ class KVCache(ABC):
 
     @abstractmethod
     def attend(
-        self, layer: int, q: torch.Tensor, window: int | None = None, rotate: Rotate | None = None
+        self, layer: int, q: torch.Tensor, layer_window: int | None = None, rotate: Rotate | None = None
     ) -> torch.Tensor:
         """The reserved tokens' queries over what the cache keeps of one layer, causally.
 
         ``q``: ``[B, Hkv, G, T, D]``, grouped and scaled by the attention module -> ``[B, Hkv, G, T, Dv]``.
-        ``window``: the layer's own sliding window (``None``: global); a cache applies it or raises ``ValueError``.
+        ``layer_window``: the model layer's own sliding window (``None``: global), not a cache policy's; a cache
+        applies it or raises ``ValueError``.
         ``rotate(shift)``: ``q`` rotated by RoPE through ``shift`` (``[T]``) positions, for a cache that must score
         some keys at positions other than the query's own.
         """

@@ -159,9 +159,9 @@ class QuantizedKVCache(SlabKVCache):
                 ring[:, :, slot : slot + n] = x[:, :, pos - s0 : pos - s0 + n]
 
     def attend(
-        self, layer: int, q: torch.Tensor, window: int | None = None, rotate: Rotate | None = None
+        self, layer: int, q: torch.Tensor, layer_window: int | None = None, rotate: Rotate | None = None
     ) -> torch.Tensor:
-        refuse_window(window, "QuantizedKVCache", "use ContiguousKVCache or WindowKVCache with codec=...")
+        refuse_window(layer_window, "QuantizedKVCache", "use ContiguousKVCache or WindowKVCache with codec=...")
         b, hkv, g, t, d = q.shape
         if self.attention == "naive":
             k, v = self._dequantize_into(layer, *self._scratch[:, :, :, : self._length].unbind(0))

@@ -1,8 +1,8 @@
 """Window + sinks as a cache policy: ``kvlab.spec.keep``'s rule, per layer, answering in positions and blocks.
 
-A policy says which positions a step reads and which can go; the storage that holds them (a slot ring,
-``kvlab.cache.policy.window``; blocks of a pool, ``kvlab.cache.storage.paged``; a latent slab,
-``kvlab.cache.policy.latent_window``) says where they are. Every answer comes from the one integer rule, so the caches,
+A policy says which positions a step reads and which can go; the storage that holds them (a ring of slots per
+layer, ``kvlab.cache.policy.window``, for per-head K/V or MLA's latents; blocks of a pool,
+``kvlab.cache.storage.paged``) says where they are. Every answer comes from the one integer rule, so the caches,
 the kernels' masks and the byte model (``kvlab.roofline.kv_tokens_read``) cannot drift apart.
 """
 

@@ -147,28 +147,28 @@ class WindowKVCache(FixedSlotsKVCache):
         self._write(layer, slots, k[:, new].transpose(1, 2), v[:, new].transpose(1, 2))
 
     def attend(
-        self, layer: int, q: torch.Tensor, window: int | None = None, rotate: Rotate | None = None
+        self, layer: int, q: torch.Tensor, layer_window: int | None = None, rotate: Rotate | None = None
     ) -> torch.Tensor:
-        self._read_windows[layer] = window
+        self._read_windows[layer] = layer_window
         keys, r = self._keys[layer], self.shape.latent_values
         values = self._values[layer] if self._values else None  # None: a latent, its own value
         view = self._views.pop(layer, None)
         if view is None and self.held(layer) == self._seen:
-            # Nothing evicted yet: slot i holds position i, a slab (the model's window applied as it reads).
-            return attend_stores(q, keys, values, self._seen, self._start, window, value_dim=r)
+            # Nothing evicted yet: slot i holds position i, a slab (the layer's window applied as it reads).
+            return attend_stores(q, keys, values, self._seen, self._start, layer_window, value_dim=r)
         sink_q = self._sink_query(layer, rotate)
         q_positions = torch.arange(self._start, self._seen, device=self.device)
         if view is not None:
             k, v, positions = view
-            mask = self.keep.mask(layer, q_positions, positions, window)
+            mask = self.keep.mask(layer, q_positions, positions, layer_window)
         else:  # a decode step: the slots hold exactly the sinks and the window the policy keeps
             oldest = 0 if self.sinks else self._seen - self.windows[layer]
-            everything_visible = window is None or oldest > self._start - window
+            everything_visible = layer_window is None or oldest > self._start - layer_window
             if sink_q is None and everything_visible:  # the common decode step: every kept slot, in any order
                 return attend_stores(q, keys, values, self.held(layer), self._start, value_dim=r)
             k, v = self.read(layer)
             positions = self._slot_positions(layer, self._seen)
-            mask = None if everything_visible else self.keep.mask(layer, q_positions, positions, window)
+            mask = None if everything_visible else self.keep.mask(layer, q_positions, positions, layer_window)
         out, _ = attention_with_probs(q, k.transpose(-1, -2), v, mask, sink_q, self.sinks)
         return out
 

@@ -64,9 +64,10 @@ class LatentKVCache(SlabKVCache):
         self._latents[layer].write(self._new_slots, k.transpose(1, 2))
 
     def attend(
-        self, layer: int, q: torch.Tensor, window: int | None = None, rotate: Rotate | None = None
+        self, layer: int, q: torch.Tensor, layer_window: int | None = None, rotate: Rotate | None = None
     ) -> torch.Tensor:
-        refuse_window(window, "LatentKVCache", "kvlab has no MLA model with sliding-window layers; attend globally")
+        fix = "kvlab has no MLA model with sliding-window layers; attend globally"
+        refuse_window(layer_window, "LatentKVCache", fix)
         store, r = self._latents[layer], self.shape.latent_values
         return attend_stores(q, store, None, self._length, self._start, value_dim=r)
 

@@ -48,17 +48,14 @@ A fused paged kernel takes per-row lengths and does the same in one launch; here
 layer, which only ragged steps pay.
 
 Window + sinks (StreamingLLM, in blocks, as vLLM's sliding window): ``window=W, sinks=S`` keeps a sequence's first S
-tokens and its W most recent (the newest included), in every layer. Keys stay roped at their original positions
-(nothing is re-assigned or re-roped: ``WindowKVCache(positions="original")`` is the reference, and the logits match
-it). When a step starts, every block that holds no token its first query can see (after the sinks' blocks and
-before the window's first) goes back to the pool (``BlockPool.release_block``) and its table entry becomes a hole
-the cache never reads, so a sequence holds at most ``ceil(S/B) + ceil(W/B) + 1`` blocks however long it grows. A
-step gathers only the sinks' blocks and the window's (whole blocks, one copy) and masks, per query, the gathered
-slots outside its own keep-set (``window_mask``: the partial blocks' extra tokens, and for a multi-token step the
-older tokens its later queries no longer see; a long chunk a block of queries at a time, as ``causal_attention``),
-so a prefill chunk equals feeding its tokens one at a time. The layer's own window applies on top. A window evicts,
-so it cannot roll back (speculative decoding refuses it), and it has no cascade. Its blocks' prefix hashes stay
-valid: a block's K/V depend on the prefix and the policy, and every sequence of a cache runs the same policy.
+tokens and its W most recent, in every layer; the policy (``kvlab.cache.policy.keep``) says which positions a step
+reads and which blocks can go, the pool says where they are. Keys stay roped at their original positions, so the
+logits match ``WindowKVCache(positions="original")``. Before a step, the blocks no query can see any more go back
+to the pool and become holes in the table, so a sequence holds at most ``ceil(S/B) + ceil(W/B) + 1`` blocks. A
+decode step gathers exactly the kept positions; a multi-token step gathers their blocks whole and masks each query
+to its own keep-set, so a chunk equals its tokens one at a time. A window evicts, so it cannot roll back
+(speculative decoding refuses it), and it has no cascade. Its blocks' prefix hashes stay valid: a block's K/V depend
+on the prefix and the policy, and every sequence of a cache runs the same policy.
 """
 
 from __future__ import annotations
@@ -321,25 +318,26 @@ class PagedKVCache(KVCache):
         self._values[layer].write(self._slots, v.permute(2, 0, 1, 3))
 
     def attend(
-        self, layer: int, q: torch.Tensor, window: int | None = None, rotate: Rotate | None = None
+        self, layer: int, q: torch.Tensor, layer_window: int | None = None, rotate: Rotate | None = None
     ) -> torch.Tensor:
-        self._read_windows[layer] = window
+        self._read_windows[layer] = layer_window
         if q.shape[-2] > 1:  # a batch at one length: a ragged one steps a token per row
             if self.window is not None:
-                return self._attend_kept(layer, q, self._table, self._start, self.length, window)
-            return attend_slab(q, *self._gather(layer, self._table, 0, self.length), self._start, window)
+                return self._attend_kept(layer, q, self._table, self._start, self.length, layer_window)
+            return attend_slab(q, *self._gather(layer, self._table, 0, self.length), self._start, layer_window)
         fused = fused_kernels(q.device)
         if fused is not None and not self._cascade_blocks() and self.window is None:
             # One launch for the batch, ragged or not, reading each row's blocks in place through its table.
             lengths = torch.tensor(self._lengths, dtype=torch.int32, device=self.device)
             keys, values, size = self._keys[layer], self._values[layer], self.block_size
-            out = fused.decode(q[..., 0, :], keys, values, lengths, table=self._table, block_size=size, window=window)
+            table = self._table
+            out = fused.decode(q[..., 0, :], keys, values, lengths, table=table, block_size=size, window=layer_window)
             return out.unsqueeze(-2)
         if not self._ragged:
-            return self._decode(layer, q[..., 0, :], self._table, self.length, window).unsqueeze(-2)
+            return self._decode(layer, q[..., 0, :], self._table, self.length, layer_window).unsqueeze(-2)
         # Each row over its own blocks, so no row reads another's padding or a token past its own position.
         rows = [
-            self._decode(layer, q[i : i + 1, ..., 0, :], self._table[i : i + 1], n, window)
+            self._decode(layer, q[i : i + 1, ..., 0, :], self._table[i : i + 1], n, layer_window)
             for i, n in enumerate(self._lengths)
         ]
         return torch.cat(rows).unsqueeze(-2)
