@@ -2,10 +2,11 @@
 
 Layout, per layer (``B`` batch, ``Hkv`` KV heads, ``S`` tokens stored, ``D`` head dim):
 
-- the *quantized* part holds the oldest ``Q`` tokens, a multiple of ``group_size`` (G), encoded by a codec
+- the *quantized* part holds the oldest ``Q`` tokens, a multiple of ``key_group_tokens`` (G), encoded by a codec
   from ``kvlab.cache.codec.codecs`` as ``[B, Hkv, Q, D]``. Keys are grouped per channel (G consecutive tokens share
-  each channel's scale, KIVI's answer to outlier channels) or, with ``key_quant="per-token"``, per token (G
-  consecutive channels share a scale). Values are always grouped per token.
+  each channel's scale, KIVI's answer to outlier channels) or, with ``key_quant="per-token"``, per token
+  (``group_size`` consecutive channels share a scale). Values are always grouped per token, ``group_size`` channels
+  a scale, as in every other cache's codec.
 - the *residual* holds the newest ``S - Q`` tokens as they arrived (the shape's dtype), in a ring of
   ``min(capacity, R + G - 1)`` slots. A token stays there until the oldest G residual tokens form a whole group
   and at least ``R`` newer tokens remain; then that group is quantized. So the residual holds ``R .. R + G - 1``
@@ -68,10 +69,12 @@ _TOKEN_DIM, _CHANNEL_DIM = 2, 3  # dims of a [B, Hkv, S, D] store
 class QuantizedKVCache(SlabKVCache):
     """KIVI-style quantized K/V (see the module docstring) behind the ``KVCache`` interface.
 
-    ``codec``: a name from ``kvlab.cache.codec.codecs.CODECS`` (or a ``Codec``). ``group_size``: G, tokens per key
-    group (per-channel keys) and channels per value group. ``residual``: R, the newest tokens kept as they arrive
-    (the shape's dtype). ``chunk_size``: tokens per chunk the chunked path dequantizes at a time (a multiple of G,
-    so a chunk owns whole key groups). ``rollback``: how many newest tokens ``truncate`` may forget (module
+    ``codec``: a name from ``kvlab.cache.codec.codecs.CODECS`` (or a ``Codec``). ``group_size``: channels per
+    scale (values, and per-token keys), as for every cache. ``key_group_tokens``: G, tokens per key group
+    (per-channel keys), which leave the residual together (default: ``group_size``, KIVI's one G). ``residual``: R,
+    the newest tokens kept as they arrive (the shape's dtype). ``chunk_size``: tokens per chunk the chunked path
+    dequantizes at a time (a multiple of G, so a chunk owns whole key groups). ``rollback``: how many newest tokens
+    ``truncate`` may forget (module
     docstring); it costs that many more full-precision ring slots.
     """
 
@@ -87,6 +90,7 @@ class QuantizedKVCache(SlabKVCache):
         *,
         codec: str | Codec = "int8",
         group_size: int = 32,
+        key_group_tokens: int | None = None,
         residual: int = 128,
         attention: str = "chunked",
         chunk_size: int = 512,
@@ -96,12 +100,15 @@ class QuantizedKVCache(SlabKVCache):
         super().__init__(shape, batch_size, capacity)
         refuse_latent(shape, "QuantizedKVCache")
         require_int("group_size", group_size)
+        key_group_tokens = group_size if key_group_tokens is None else key_group_tokens
+        require_int("key_group_tokens", key_group_tokens)
         require_int("chunk_size", chunk_size)
         require_int("residual", residual, 0)
         require_int("rollback", rollback, 0)
-        if chunk_size % group_size:
+        if chunk_size % key_group_tokens:
             raise ValueError(
-                f"chunk_size: {chunk_size} is not allowed; allowed: a positive multiple of group_size={group_size}"
+                f"chunk_size: {chunk_size} is not allowed; allowed: a positive multiple of "
+                f"key_group_tokens={key_group_tokens}"
             )
         self.codec = get_codec(codec)
         if attention not in ATTENTION_PATHS:
@@ -113,15 +120,17 @@ class QuantizedKVCache(SlabKVCache):
                 f"attention: 'int-dot' needs codec='int8' and key_quant='per-token' (got {self.codec.name!r}, "
                 f"{key_quant!r}); allowed: {', '.join(ATTENTION_PATHS)}, with 'int-dot' only for those two"
             )
-        self.group_size, self.residual, self.chunk_size = group_size, residual, chunk_size
+        self.group_size, self.key_group_tokens = group_size, key_group_tokens
+        self.residual, self.chunk_size = residual, chunk_size
         self.attention, self.key_quant, self.rollback = attention, key_quant, rollback
         self._key_dim = _TOKEN_DIM if key_quant == "per-channel" else _CHANNEL_DIM
 
         capacity, device, n_layers = self.capacity, self.device, shape.n_layers
         store = (batch_size, shape.n_kv_heads, self._n_quantized(capacity), shape.head_dim)
-        self._k = [self.codec.empty(store, self._key_dim, group_size, device) for _ in range(n_layers)]
+        self._key_group = key_group_tokens if self._key_dim == _TOKEN_DIM else group_size  # along the key's dim
+        self._k = [self.codec.empty(store, self._key_dim, self._key_group, device) for _ in range(n_layers)]
         self._v = [self.codec.empty(store, _CHANNEL_DIM, group_size, device) for _ in range(n_layers)]
-        self._ring_slots = min(capacity, residual + group_size - 1 + rollback)
+        self._ring_slots = min(capacity, residual + key_group_tokens - 1 + rollback)
         ring = (n_layers, batch_size, shape.n_kv_heads, self._ring_slots, shape.head_dim)
         self._ring_k = list(torch.zeros(ring, dtype=self.torch_dtype, device=device).unbind(0))
         self._ring_v = list(torch.zeros(ring, dtype=self.torch_dtype, device=device).unbind(0))
@@ -129,7 +138,8 @@ class QuantizedKVCache(SlabKVCache):
         scratch_tokens = capacity if attention == "naive" else chunk_size
         self._scratch = torch.empty(2, batch_size, shape.n_kv_heads, scratch_tokens, shape.head_dim, device=device)
         # A whole group's average: G tokens of one sequence in one layer, K and V, over G.
-        self._layer_token_bytes = self._quantized_bytes(group_size) / (group_size * n_layers * batch_size)
+        g = key_group_tokens
+        self._layer_token_bytes = self._quantized_bytes(g) / (g * n_layers * batch_size)
         self.reset()
 
     # -- the KVCache interface -----------------------------------------------------------------------------------
@@ -239,11 +249,11 @@ class QuantizedKVCache(SlabKVCache):
         return self._quantized_bytes(q1) - self._quantized_bytes(q0) + residual
 
     def _n_quantized(self, n_tokens: int) -> int:
-        return max(n_tokens - self.residual, 0) // self.group_size * self.group_size
+        return max(n_tokens - self.residual, 0) // self.key_group_tokens * self.key_group_tokens
 
     def _quantized_bytes(self, n_tokens: int) -> int:
         shape = (self.batch_size, self.n_kv_heads, n_tokens, self.head_dim)
-        per_layer = self.codec.stored_bytes(shape, self._key_dim, self.group_size) + self.codec.stored_bytes(
+        per_layer = self.codec.stored_bytes(shape, self._key_dim, self._key_group) + self.codec.stored_bytes(
             shape, _CHANNEL_DIM, self.group_size
         )
         return self.n_layers * per_layer

@@ -80,7 +80,6 @@ from kvlab.spec.keep import SinksAndWindow, Span, count_blocks
 from kvlab.spec.validation import require_int
 
 TABLE_ENTRY_BYTES = 4  # block tables are int32, as in vLLM and FlashInfer
-PAD_BLOCK = -1  # pads a shorter row of the table; not a block id, so an index that reached it would raise
 
 
 class PagedKVCache(KVCache):
@@ -423,7 +422,7 @@ class PagedKVCache(KVCache):
         caller that only keeps the books (an engine's stand-in model) never reads it, and building it costs as much
         as the rest of such a step."""
         if self._table_tensor is None:
-            padded = [t + [PAD_BLOCK] * (self._width - len(t)) for t in self._tables]
+            padded = [t + [HOLE] * (self._width - len(t)) for t in self._tables]
             table = torch.tensor(padded, dtype=torch.int32, device=self.device)
             self._table_tensor = table.view(len(padded), self._width)
         return self._table_tensor
