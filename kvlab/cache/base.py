@@ -155,6 +155,8 @@ class KVCache(ABC):
     # step at a time: true of a cache that keeps every token, or evicts by position alone (a window); not of one
     # whose encoding or eviction depends on how the tokens were grouped into steps.
     prefill_is_stepwise = False
+    # A cache whose batch is a choice among the sequences of a pool (PagedKVCache) may start with none.
+    _min_batch_size = 1
 
     def __init__(self, shape: CacheShape, batch_size: int = 1, capacity: int | None = None) -> None:
         if not isinstance(shape, CacheShape):
@@ -162,7 +164,7 @@ class KVCache(ABC):
                 f"shape: {type(shape).__name__}; allowed: a kvlab.cache.CacheShape (CacheShape.from_config(cfg, "
                 "device), or Cache.for_model(model, ...))"
             )
-        require_int("batch_size", batch_size, 1)
+        require_int("batch_size", batch_size, self._min_batch_size)
         if capacity is not None:
             require_int("capacity", capacity, 1)
         self.shape = shape

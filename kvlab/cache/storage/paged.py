@@ -91,7 +91,8 @@ class PagedKVCache(KVCache):
     ``codec`` (default: the dtype K/V arrive in) is any of ``kvlab.spec.dtypes.KV_DTYPES``, ``group_size`` channels per
     scale for fp8/int8/int4.
 
-    The batch starts as ``batch_size`` empty sequences; ``begin`` replaces it (with prefix hits), ``fork`` grows
+    The batch starts as ``batch_size`` empty sequences (``batch_size=0``: a pool with none yet, as a server starts,
+    which ``n_blocks`` sizes); ``begin`` replaces it (with prefix hits), ``fork`` grows
     it, ``use`` makes it any of the pool's sequences (``new_sequence`` adds them), so ``batch_size`` follows the
     batch. Its sequences may sit at different lengths; such a batch steps one token per sequence (module
     docstring). ``reserve`` raises ``PoolExhaustedError`` (a ``CacheCapacityError``) before changing anything when
@@ -102,6 +103,7 @@ class PagedKVCache(KVCache):
     """
 
     _rolls_back = True
+    _min_batch_size = 0
     prefill_is_stepwise = True  # module docstring: a chunk equals its tokens one at a time, window or not
 
     def __init__(
@@ -124,6 +126,8 @@ class PagedKVCache(KVCache):
         if window is not None and cascade:
             raise ValueError("cascade: True with a window is not supported; allowed: cascade=False with a window")
         if n_blocks is None:
+            if batch_size == 0:
+                raise ValueError("n_blocks: None with batch_size 0; allowed: n_blocks (an integer >= 1) for the pool")
             if capacity is None:
                 raise ValueError(
                     "n_blocks: None with capacity None; allowed: n_blocks (an integer >= 1), or a capacity to size "
@@ -277,6 +281,10 @@ class PagedKVCache(KVCache):
         """Claim ``n_new`` slots per sequence; return the first one's position: an int for a batch at one length,
         a LongTensor ``[B]`` (each row's own) for a ragged batch, which takes ``n_new=1`` only."""
         require_int("n_new", n_new)
+        if not self._seq_ids:
+            raise ValueError(
+                "reserve: the batch has no sequence; allowed: a batch of one or more (new_sequence, then use)"
+            )
         if self._ragged and n_new != 1:
             raise ValueError(
                 f"n_new: {n_new} for a batch of sequences at different lengths (lengths {self._lengths}), which "
