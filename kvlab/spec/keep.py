@@ -75,13 +75,8 @@ class SinksAndWindow:
         return sum(hi - lo for lo, hi in self.spans(n_seen - 1, n_seen))
 
 
-def blocks_touching(spans: list[Span], block_size: int) -> list[int]:
-    """Indices of the ``block_size``-token blocks holding any position of ``spans``, ascending."""
-    return sorted({i for lo, hi in spans for i in range(lo // block_size, math.ceil(hi / block_size))})
-
-
 def count_blocks(spans: list[Span], block_size: int) -> int:
-    """``len(blocks_touching(spans, block_size))`` for sorted disjoint spans, without listing the blocks."""
+    """How many ``block_size``-token blocks hold a position of ``spans`` (sorted, disjoint), without listing them."""
     count, last = 0, -1  # last: the highest block index counted so far
     for lo, hi in spans:
         first, end = max(lo // block_size, last + 1), math.ceil(hi / block_size)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvlab.spec.keep import SinksAndWindow, Span, blocks_inside, blocks_touching
+from kvlab.spec.keep import SinksAndWindow, Span, blocks_inside
 from kvlab.spec.validation import require_int
 
 
@@ -46,8 +46,7 @@ class KeepPolicy:
 
     def kept(self, layer: int, n_seen: int, device: torch.device) -> torch.Tensor:
         """The positions ``layer`` keeps after ``n_seen`` tokens, ascending: ``[n]`` (the sinks, then the window)."""
-        spans = self.spans(layer, n_seen - 1, n_seen)
-        return torch.cat([torch.arange(lo, hi, device=device) for lo, hi in spans] or [torch.arange(0, device=device)])
+        return positions_of(self.spans(layer, n_seen - 1, n_seen), device)
 
     def bound(self, layer: int) -> int | None:
         """The most positions ``layer`` ever keeps (``None``: unbounded)."""
@@ -55,17 +54,17 @@ class KeepPolicy:
         return None if w is None else self.sinks + w
 
     # -- which blocks ----------------------------------------------------------------------------------------------
-    def blocks_read(self, layer: int, first: int, end: int, layer_window: int | None, block_size: int) -> list[int]:
-        """Table indices of the ``block_size``-token blocks holding a position some query at ``first .. end-1`` of
-        ``layer`` sees."""
-        return blocks_touching(self.spans(layer, first, end, layer_window), block_size)
-
     def blocks_gone(self, first: int, block_size: int) -> range:
         """Table indices of the blocks no query at ``first`` or later sees in any layer (a block holds every
         layer's K/V): they can go back. Every layer's gone span starts after the sinks (or is empty, for a layer
         keeping everything), so the one they all share is the shortest."""
         gone = min((rule.gone(first) for rule in self._rules), key=lambda span: span[1] - span[0])
         return blocks_inside(gone, block_size)
+
+
+def positions_of(spans: list[Span], device: torch.device) -> torch.Tensor:
+    """The positions of ``spans``, in order: ``[n]`` (int64)."""
+    return torch.cat([torch.arange(lo, hi, device=device) for lo, hi in spans] or [torch.arange(0, device=device)])
 
 
 def _layer_windows(window: int | Sequence[int | None] | None, n_layers: int) -> list[int | None]:

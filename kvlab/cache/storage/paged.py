@@ -67,7 +67,7 @@ import torch
 
 from kvlab.cache.base import CacheCapacityError, CacheShape, KVCache, Rotate, kv_codec, refuse_latent
 from kvlab.cache.codec.stores import fused_kernels, make_store
-from kvlab.cache.policy.keep import KeepPolicy
+from kvlab.cache.policy.keep import KeepPolicy, positions_of
 from kvlab.cache.storage.block_pool import HOLE, BlockPool, int_tuple, shared_prefix_blocks
 from kvlab.kernels.reference import (
     MAX_SCORES,
@@ -480,32 +480,17 @@ class PagedKVCache(KVCache):
                 released = True
         return released
 
-    def _gather_kept(
-        self, layer: int, table: torch.Tensor, first: int, end: int, layer_window: int | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The blocks holding a position some query at ``first .. end-1`` sees, whole: ``k``, ``v``: ``[B, Hkv, n,
-        D]`` (floats) and each slot's position ``[n]`` (a partial block's slots past ``end`` included: a mask must
-        hide them)."""
-        kept = self.keep.blocks_read(layer, first, end, layer_window, self.block_size)
-        index = torch.tensor(kept, dtype=torch.long, device=self.device)
-        blocks = table[:, index]
-        k = self._keys[layer].take_blocks(blocks, self.block_size)
-        v = self._values[layer].take_blocks(blocks, self.block_size)
-        positions = (index[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).flatten()
-        return k, v, positions
-
     def _attend_kept(
         self, layer: int, q: torch.Tensor, table: torch.Tensor, first: int, end: int, layer_window: int | None
     ) -> torch.Tensor:
         """The cache window's multi-token step: queries ``q`` (``[B, Hkv, G, T, D]``) at positions ``first ..
-        end-1`` over the kept blocks of ``table`` (``[B, m]``, rows at one length), each query masked to its own
-        keep-set -> ``[B, Hkv, G, T, D]``. Slots a query must not see (evicted from its window, past it, or the
-        unwritten tail of the last block, which holds zeros or an older sequence's finite K/V) score ``-inf`` and
-        weigh exactly 0."""
+        end-1`` over the positions some of them sees, gathered from ``table`` (``[B, m]``, rows at one length), each
+        query masked to its own keep-set (the tokens its later neighbours still see, it may not) -> ``[B, Hkv, G,
+        T, D]``."""
         b, hkv, g, n_q, _ = q.shape
-        n_slots = n_q + self.sinks + self.window + 3 * self.block_size  # at least the slots the step gathers
+        n_slots = n_q + self.sinks + self.window  # at least the positions the step gathers
         block = max(1, MAX_SCORES // (b * hkv * g * n_slots))
-        if block < n_q:  # a long prefill chunk: a block of queries at a time, each over the blocks its queries keep
+        if block < n_q:  # a long prefill chunk: a block of queries at a time, each over what its queries keep
             parts = [
                 self._attend_kept(
                     layer, q[..., i : i + block, :], table, first + i, min(end, first + i + block), layer_window
@@ -513,10 +498,11 @@ class PagedKVCache(KVCache):
                 for i in range(0, n_q, block)
             ]
             return torch.cat(parts, dim=-2)
-        k, v, positions = self._gather_kept(layer, table, first, end, layer_window)
+        spans = self.keep.spans(layer, first, end, layer_window)
+        k_t, v = self._gather_spans(layer, table, spans)
         q_positions = torch.arange(first, end, device=self.device)
-        mask = self.keep.mask(layer, q_positions, positions, layer_window)
-        return attention_with_probs(q, k.transpose(-1, -2), v, mask)[0]
+        mask = self.keep.mask(layer, q_positions, positions_of(spans, self.device), layer_window)
+        return attention_with_probs(q, k_t, v, mask)[0]
 
     def _decode(
         self, layer: int, q: torch.Tensor, table: torch.Tensor, length: int, window: int | None
