@@ -75,6 +75,7 @@ from kvlab.kernels.reference import (
     attention_with_probs,
     cascade_decode_attention,
     decode_attention,
+    online_softmax_attention,
 )
 from kvlab.spec.keep import SinksAndWindow, Span, count_blocks
 from kvlab.spec.validation import require_int
@@ -519,13 +520,24 @@ class PagedKVCache(KVCache):
             prefix_k_t, prefix_v = self._gather(layer, table[:1, skip_blocks:n_shared], first, prefix)
             suffix = self._gather(layer, table[:, n_shared:], prefix, length)
             return cascade_decode_attention(q, prefix_k_t[0], prefix_v[0], *suffix)
-        return decode_attention(q, *self._gather_spans(layer, table, spans))
+        parts = self._gather_parts(layer, table, spans)
+        if len(parts) == 1:
+            return decode_attention(q, *parts[0])
+        # The sinks and the window: attention over each, merged by their lse, so the two are never copied into one.
+        return online_softmax_attention(q, ((k_t.transpose(-1, -2), v, 0) for k_t, v in parts))
+
+    def _gather_parts(
+        self, layer: int, table: torch.Tensor, spans: list[Span]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The positions of each of ``spans`` in the blocks of ``table`` (``[B, m]``), as ``k_t``: ``[B, Hkv, D,
+        n]`` and ``v``: ``[B, Hkv, n, D]`` (floats), one pair per span."""
+        size = self.block_size
+        return [self._gather(layer, table[:, lo // size : math.ceil(hi / size)], lo, hi) for lo, hi in spans]
 
     def _gather_spans(self, layer: int, table: torch.Tensor, spans: list[Span]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The positions of ``spans`` (sorted, disjoint) in the blocks of ``table`` (``[B, m]``), in order, as
-        ``k_t``: ``[B, Hkv, D, n]`` and ``v``: ``[B, Hkv, n, D]`` (floats)."""
-        size = self.block_size
-        parts = [self._gather(layer, table[:, lo // size : math.ceil(hi / size)], lo, hi) for lo, hi in spans]
+        """The positions of ``spans`` (sorted, disjoint) in the blocks of ``table``, in order, as one ``k_t``, ``v``
+        pair (shapes as ``_gather_parts``)."""
+        parts = self._gather_parts(layer, table, spans)
         if len(parts) == 1:
             return parts[0]
         return torch.cat([k for k, _ in parts], dim=-1), torch.cat([v for _, v in parts], dim=-2)
