@@ -30,11 +30,6 @@ def test_spans_are_exactly_the_positions_some_query_sees(rule, layer_window, fir
 
 
 @given(rules, st.integers(0, 40))
-def test_kept_counts_what_a_decode_query_sees(rule, n_seen):
-    assert rule.kept(n_seen) == len(_seen(rule, n_seen - 1, n_seen, None))
-
-
-@given(rules, st.integers(0, 40))
 def test_gone_positions_are_seen_by_no_later_query_in_any_layer(rule, first):
     lo, hi = rule.gone(first)
     later = range(first, first + 30)

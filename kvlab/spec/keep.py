@@ -70,10 +70,6 @@ class SinksAndWindow:
             return (0, 0)
         return (self.sinks, max(self.sinks, first + 1 - self.window))
 
-    def kept(self, n_seen: int) -> int:
-        """How many positions stay after ``n_seen`` tokens (sinks and window): what a slot store must hold."""
-        return sum(hi - lo for lo, hi in self.spans(n_seen - 1, n_seen))
-
 
 def count_blocks(spans: list[Span], block_size: int) -> int:
     """How many ``block_size``-token blocks hold a position of ``spans`` (sorted, disjoint), without listing them."""

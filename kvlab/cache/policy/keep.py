@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvlab.kernels.reference import window_mask
 from kvlab.spec.keep import SinksAndWindow, Span, blocks_inside
 from kvlab.spec.validation import require_int
 
@@ -30,15 +31,13 @@ class KeepPolicy:
         self.sinks = sinks
         self._rules = [SinksAndWindow(w, sinks if w is not None else 0) for w in self.windows]
 
-    def rule(self, layer: int) -> SinksAndWindow:
-        return self._rules[layer]
-
     # -- which positions --------------------------------------------------------------------------------------------
     def mask(
         self, layer: int, q_positions: torch.Tensor, k_positions: torch.Tensor, layer_window: int | None
     ) -> torch.Tensor:
         """Which keys each query sees: ``[T]``, ``[..., n]`` -> bool ``[..., T, n]``, True where visible."""
-        return self._rules[layer].visible(q_positions[:, None], k_positions[..., None, :], layer_window)
+        rule = self._rules[layer]
+        return window_mask(q_positions, k_positions, rule.window, rule.sinks, layer_window)
 
     def spans(self, layer: int, first: int, end: int, layer_window: int | None = None) -> list[Span]:
         """The positions some query at ``first .. end-1`` of ``layer`` sees (``SinksAndWindow.spans``)."""
