@@ -332,7 +332,7 @@ class QuantizedKVCache(SlabKVCache):
         residual_scores = [torch.matmul(qs, k.float().transpose(-1, -2)) for k in ring_k]
         key_scores = int8_key_scores(qs, keys.payload, keys.scale, self._codec.bias(keys), keys.group_size)
         p = torch.softmax(torch.cat([key_scores, *residual_scores], dim=-1), dim=-1)
-        value_codes = functools.partial(_codes_of_tokens, self.codec, values)
+        value_codes = functools.partial(_codes_of_tokens, self._codec, values)
         out = folded_value_product(
             p[..., :n_quant], value_codes, values.scale, self._codec.bias(values), values.group_size, self._scratch[1]
         )
