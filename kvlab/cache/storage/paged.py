@@ -52,10 +52,10 @@ tokens and its W most recent, in every layer; the policy (``kvlab.cache.policy.k
 reads and which blocks can go, the pool says where they are. Keys stay roped at their original positions, so the
 logits match ``WindowKVCache(positions="original")``. Before a step, the blocks no query can see any more go back
 to the pool and become holes in the table, so a sequence holds at most ``ceil(S/B) + ceil(W/B) + 1`` blocks. A
-decode step gathers exactly the kept positions; a multi-token step gathers their blocks whole and masks each query
-to its own keep-set, so a chunk equals its tokens one at a time. A window evicts, so it cannot roll back
-(speculative decoding refuses it), and it has no cascade. Its blocks' prefix hashes stay valid: a block's K/V depend
-on the prefix and the policy, and every sequence of a cache runs the same policy.
+decode step attends to exactly the kept positions; a multi-token step gathers those any of its queries sees and
+masks each query to its own keep-set, so a chunk equals its tokens one at a time. A window evicts, so it cannot
+roll back (speculative decoding refuses it), and it has no cascade. Its blocks' prefix hashes stay valid: a block's
+K/V depend on the prefix and the policy, and every sequence of a cache runs the same policy.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ class PagedKVCache(KVCache):
     ) -> None:
         super().__init__(shape, batch_size, capacity)
         require_int("block_size", block_size)
-        SinksAndWindow(window, sinks)  # refuses sinks without a window, as KeepPolicy takes a global layer's
+        SinksAndWindow(window, sinks)  # validates both; KeepPolicy would silently drop sinks given no window
         if window is not None and cascade:
             raise ValueError("cascade: True with a window is not supported; allowed: cascade=False with a window")
         if n_blocks is None:
@@ -485,7 +485,7 @@ class PagedKVCache(KVCache):
         self, layer: int, q: torch.Tensor, table: torch.Tensor, first: int, end: int, layer_window: int | None
     ) -> torch.Tensor:
         """The cache window's multi-token step: queries ``q`` (``[B, Hkv, G, T, D]``) at positions ``first ..
-        end-1`` over the positions some of them sees, gathered from ``table`` (``[B, m]``, rows at one length), each
+        end-1`` over the positions any of them sees, gathered from ``table`` (``[B, m]``, rows at one length), each
         query masked to its own keep-set (the tokens its later neighbours still see, it may not) -> ``[B, Hkv, G,
         T, D]``."""
         b, hkv, g, n_q, _ = q.shape
