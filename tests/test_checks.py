@@ -339,8 +339,8 @@ class UnwrittenGrowingCache(KVCache):
     def append(self, layer, k, v):
         pass
 
-    def attend(self, layer, q, window=None, rotate=None):
-        return attend_slab(q, self._k_t[layer], self._v[layer], self._start, window)
+    def attend(self, layer, q, layer_window=None, rotate=None):
+        return attend_slab(q, self._k_t[layer], self._v[layer], self._start, layer_window)
 
     def read(self, layer):
         return self._k_t[layer].transpose(-1, -2), self._v[layer]

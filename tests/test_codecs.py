@@ -175,6 +175,18 @@ def test_chunked_equals_naive(codec, key_quant, chunk_size):
     assert_close(chunked.attend(0, q3), naive.attend(0, q3), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("key_quant", ["per-channel", "per-token"])
+def test_key_token_groups_and_channel_groups_are_two_settings(key_quant):
+    """Keys grouped along 4 tokens and values along 16 channels (KIVI's G split in two): the chunked path still
+    reads what the naive one decodes, and the key codes are grouped as asked."""
+    kw = dict(codec="int4", key_quant=key_quant, key_group_tokens=4, group_size=16, chunk_size=12)
+    chunked, naive = _cache(attention="chunked", **kw), _cache(attention="naive", **kw)
+    _filled([chunked, naive], [41, 1, 1])  # 43 tokens: (43 - 5) // 4 * 4 = 36 quantized
+    assert_close(chunked.attend(1, _queries(1, seed=3)), naive.attend(1, _queries(1, seed=3)), rtol=1e-5, atol=1e-6)
+    keys, values = chunked._k[0], chunked._v[0]
+    assert (keys.group_size, values.group_size) == ((4, 16) if key_quant == "per-channel" else (16, 16))
+
+
 @pytest.mark.parametrize(("d", "group_size"), [(16, 8), (10, 4), (16, 32)], ids=["2-groups", "ragged", "1-group"])
 @pytest.mark.parametrize("g", [1, 3])
 def test_int8_key_scores_err_by_at_most_the_query_rounding(d, group_size, g):
@@ -278,15 +290,19 @@ def test_read_returns_residual_tokens_exactly_and_quantized_ones_within_half_a_s
     [("int8", 1, 2), ("int4", 0.5, 2), ("int2", 0.25, 2), ("fp8", 1, 1), ("fp16", 2, 0)],
 )
 @pytest.mark.parametrize("attention", ["chunked", "naive"])
-def test_bytes_match_a_hand_count(codec, payload_bytes, n_stats, attention):
+@pytest.mark.parametrize("channels", [None, 5], ids=["one-G", "channels-5"])
+def test_bytes_match_a_hand_count(codec, payload_bytes, n_stats, attention, channels):
+    """``key_group_tokens`` G groups keys along tokens; ``group_size`` (default: G) groups values along channels."""
     L, B, H, D, G, R = 2, 2, 3, 10, 4, 7  # noqa: N806 - the course's symbols. D=10: value groups of 4, 4, 2
-    cache = QuantizedKVCache(CacheShape(L, H, D), B, 100, codec=codec, group_size=G, residual=R, attention=attention)
+    C = G if channels is None else channels  # noqa: N806 - channels per value scale
+    groups = dict(group_size=G) if channels is None else dict(key_group_tokens=G, group_size=C)  # KIVI's one G, or two
+    cache = QuantizedKVCache(CacheShape(L, H, D), B, 100, codec=codec, residual=R, attention=attention, **groups)
     _filled([cache], [41, *[1] * 9], n_layers=L)  # 50 tokens: (50 - 7) // 4 * 4 = 40 quantized, 10 residual
 
     def quantized(n: int) -> float:  # n tokens, K and V, all layers and sequences
         payload = 2 * L * B * H * n * math.ceil(D * payload_bytes)  # a packed row ends in a whole byte
         key_stats = L * B * H * (n // G) * D * n_stats * 2  # per channel, one per group of G tokens; fp16
-        value_stats = L * B * H * n * math.ceil(D / G) * n_stats * 2  # per token, one per group of G channels
+        value_stats = L * B * H * n * math.ceil(D / C) * n_stats * 2  # per token, one per group of C channels
         return payload + key_stats + value_stats
 
     residual_token = 2 * L * B * H * D * 4  # one token's K and V at fp32
@@ -321,8 +337,8 @@ def test_the_residual_keeps_k_and_v_in_the_dtype_they_arrive_in():
 def test_a_sliding_window_is_refused():
     cache = _cache()
     _filled([cache], [3])
-    with pytest.raises(ValueError, match="^window: 2 .*QuantizedKVCache"):
-        cache.attend(0, _queries(1, seed=0), window=2)
+    with pytest.raises(ValueError, match="^layer_window: 2 .*QuantizedKVCache"):
+        cache.attend(0, _queries(1, seed=0), layer_window=2)
 
 
 # -- arguments -----------------------------------------------------------------------------------------------------
@@ -333,7 +349,7 @@ def test_a_sliding_window_is_refused():
         (dict(group_size=0), r"group_size: 0 .*allowed: an integer >= 1"),
         (dict(group_size=2.5), r"group_size: 2.5 .*allowed: an integer >= 1"),
         (dict(residual=-1), r"residual: -1 .*allowed: an integer >= 0"),
-        (dict(chunk_size=12), r"chunk_size: 12 .*allowed: a positive multiple of group_size=8"),
+        (dict(chunk_size=12), r"chunk_size: 12 .*allowed: a positive multiple of key_group_tokens=8"),
         (dict(attention="fast"), r"attention: .*'fast'.*allowed: chunked, naive, int-dot"),
         (dict(key_quant="per-head"), r"key_quant: .*'per-head'.*allowed: per-channel, per-token"),
         (dict(attention="int-dot"), r"attention: 'int-dot' needs codec='int8' and key_quant='per-token'"),

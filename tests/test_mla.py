@@ -8,6 +8,7 @@ from torch.testing import assert_close
 from kvlab import CacheCapacityError, Decoder, MLAConfig, ModelConfig, get_model
 from kvlab.cache.base import CacheShape, KVCache
 from kvlab.cache.codec.codecs import get_codec
+from kvlab.cache.policy.window import WindowKVCache
 from kvlab.cache.storage.latent import LatentKVCache
 from kvlab.model import set_absorb
 from kvlab.model.mla import MLAAttention
@@ -270,8 +271,8 @@ def test_a_sliding_window_is_refused():
     cache.reserve(1)
     k = torch.randn(1, 1, 1, LATENT)
     cache.append(0, k, k[..., :32])
-    with pytest.raises(ValueError, match="^window: 4 .*LatentKVCache"):
-        cache.attend(0, torch.randn(1, 1, 4, 1, LATENT), window=4)
+    with pytest.raises(ValueError, match="^layer_window: 4 .*LatentKVCache"):
+        cache.attend(0, torch.randn(1, 1, 4, 1, LATENT), layer_window=4)
 
 
 class DecodedLatents(LatentKVCache):
@@ -342,3 +343,48 @@ def test_encoded_latent_bytes_match_a_hand_count(kv_dtype, n_stats, group_size):
     assert cache.bytes_written_per_step() == 3 * 2 * per_layer
     if group_size == 8:
         assert cache.bytes_per_token == kv_bytes_per_token(model.cfg, kv_dtype, group_size=8)
+
+
+@pytest.mark.parametrize(("window", "sinks"), [(4, 0), (4, 2), (6, 3), (1, 1)])
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+def test_window_and_sinks_over_latents_equal_attention_over_exactly_the_kept_latents(window, sinks, codec):
+    """WindowKVCache on MLA's latent shape: each query, at prefill chunks that evict their own first tokens and at
+    decode steps, equals a softmax over exactly the latents at the positions StreamingLLM keeps for it (the first
+    ``sinks`` and the ``window`` newest, itself included), read back from a cache that keeps every latent."""
+    gen = torch.Generator().manual_seed(0)
+    r, heads, b = SHAPE.latent_values, 3, 2
+    cache = WindowKVCache(SHAPE, b, window=window, sinks=sinks, codec=codec)
+    every = LatentKVCache(SHAPE, b, capacity=40, codec=codec)  # the same encoding, every latent kept
+    for n_new in (7, 5, 1, 1, 9, 1, 1):
+        start = cache.reserve(n_new)
+        assert every.reserve(n_new) == start
+        q = torch.randn(b, 1, heads, n_new, LATENT, generator=gen)
+        for layer in range(SHAPE.n_layers):
+            latent = torch.randn(b, n_new, 1, LATENT, generator=gen)
+            cache.append(layer, latent, latent[..., :r])
+            every.append(layer, latent, latent[..., :r])
+            got = cache.attend(layer, q)
+            stored = every.read(layer)[0][:, 0]  # [B, n, r + p], decoded as the window cache decodes them
+            for t in range(n_new):
+                p = start + t
+                kept = [k for k in range(p + 1) if k < sinks or k > p - window]
+                keys = stored[:, kept]  # [B, n_kept, r + p]
+                probs = torch.softmax(q[:, 0, :, t] @ keys.transpose(-1, -2), dim=-1)  # [B, H, n_kept]
+                assert_close(got[:, 0, :, t], probs @ keys[..., :r], rtol=1e-5, atol=1e-5)
+    assert cache.length == min(cache.n_seen, sinks + window)
+
+
+def test_a_windowed_latent_cache_reads_the_bytes_the_roofline_predicts_and_decodes_a_model():
+    model = mla_model()
+    window, sinks, n = 5, 2, 19
+    cache = WindowKVCache.for_model(model, 1, window=window, sinks=sinks)
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(1))
+    whole = stepwise_logits(model, tokens, [n - 4], cache=cache)
+    assert cache.bytes_read_per_step() == kv_bytes_per_step(model.cfg, n, window=window, sinks=sinks)
+    assert cache.bytes_stored() == (sinks + window) * kv_bytes_per_token(model.cfg)
+    # A prefill chunk gives each of its queries its own window: it equals feeding the tokens one at a time.
+    fresh = WindowKVCache.for_model(model, 1, window=window, sinks=sinks)
+    one_by_one = stepwise_logits(model, tokens, [1], cache=fresh)
+    assert_close(whole, one_by_one, **STEP_TOL)
+    with pytest.raises(ValueError, match="^cache: WindowKVCache with absorb=False"):
+        stepwise_logits(set_absorb(model, False), tokens, [n], cache=WindowKVCache.for_model(model, 1, window=window))

@@ -605,3 +605,22 @@ def test_a_sequence_on_consecutive_blocks_is_read_in_place_and_others_gathered(
     token = torch.tensor([5])
     torch.testing.assert_close(gqa.decode_step(token, alone), gqa.decode_step(token, shared), **LAYOUT_TOL)
     assert in_place == [True] * gqa.cfg.n_layers + [False] * gqa.cfg.n_layers
+
+
+def test_a_pool_can_start_with_no_sequence(gqa):
+    """batch_size=0: a server's pool before its first request, with no empty sequence to free first."""
+    empty = PagedKVCache.for_model(gqa, 0, n_blocks=8, block_size=4)
+    assert (empty.seq_ids, empty.batch_size, empty.bytes_stored(), empty.bytes_read_per_step()) == ([], 0, 0, 0)
+    assert empty.pool.n_free == 8
+    with pytest.raises(ValueError, match="^reserve: the batch has no sequence"):
+        empty.reserve(1)
+    started = PagedKVCache.for_model(gqa, 1, n_blocks=8, block_size=4)  # the old way: free the one it starts with
+    started.free(started.seq_ids[0])
+    prompt = tokens(1, 7)
+    for cache in (empty, started):
+        seq, _ = cache.new_sequence(prompt[0])
+        cache.use([seq])
+    torch.testing.assert_close(gqa.prefill(prompt, empty), gqa.prefill(prompt, started), rtol=0, atol=0)
+    assert empty.block_tables() == started.block_tables()
+    with pytest.raises(ValueError, match="^n_blocks: None with batch_size 0"):
+        PagedKVCache(SHAPE, 0, capacity=16)

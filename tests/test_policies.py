@@ -100,10 +100,10 @@ class MaskedFullCache(ContiguousKVCache):
             ]
         )
 
-    def attend(self, layer: int, q: torch.Tensor, window=None, rotate=None) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, layer_window=None, rotate=None) -> torch.Tensor:
         k, v = self.read(layer)
         b, hkv, g, t, d = q.shape
-        out, probs = reference_attention(q.reshape(b, hkv * g, t, d), k, v, self.mask(layer, t, window))
+        out, probs = reference_attention(q.reshape(b, hkv * g, t, d), k, v, self.mask(layer, t, layer_window))
         self.observe(layer, probs)
         return out.view(b, hkv, g, t, -1)
 
@@ -273,7 +273,7 @@ class H2OOracle(MaskedFullCache):
         self.scores = torch.zeros(cfg.n_layers, B, cfg.n_kv_heads, N)
         self.margins: list[float] = []
 
-    def attend(self, layer: int, q: torch.Tensor, window=None, rotate=None) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, layer_window=None, rotate=None) -> torch.Tensor:
         t, end = q.shape[-2], self.length
         budget = self.heavy + self.recent
         for b in range(B):
@@ -284,7 +284,7 @@ class H2OOracle(MaskedFullCache):
                     self.margins += [score[lowest[1]] - score[lowest[0]]] if len(lowest) > 1 else []
                     kept.remove(lowest[0])
                 kept.update(range(end - t, end))
-        out = super().attend(layer, q, window)
+        out = super().attend(layer, q, layer_window)
         if t > 1:
             for b in range(B):
                 for h in range(self.n_kv_heads):
@@ -449,7 +449,7 @@ LATENT = CacheShape(n_layers=2, n_kv_heads=1, head_dim=40, latent_values=32)
         (_window, dict(capacity=0), r"capacity: 0 .*allowed: an integer >= 1"),
         (_window, dict(codec="int3"), r"codec: .*'int3'.*allowed: .*int8"),
         (_window, dict(batch_size=0), r"batch_size: 0 .*allowed: an integer >= 1"),
-        (_window, dict(shape=LATENT), r"shape: an MLA latent .*allowed: per-head K/V"),
+        (_window, dict(shape=LATENT, positions="reassigned"), r"positions: 'reassigned' with an MLA latent"),
         (_h2o, dict(heavy=-1), r"heavy: -1 .*allowed: an integer >= 0"),
         (_h2o, dict(recent=0), r"recent: 0 .*allowed: an integer >= 1"),
         (_h2o, dict(shape=LATENT), r"shape: an MLA latent .*allowed: per-head K/V"),

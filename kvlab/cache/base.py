@@ -11,7 +11,7 @@ attention reads them (the layout of the bytes decides how fast a step can stream
 
     start = cache.reserve(n_new)                    # once per step, before any layer writes
     cache.append(layer, k, v)                       # per layer: store the new tokens' K/V
-    out = cache.attend(layer, q, window, rotate)    # per layer: the new queries over what the cache keeps
+    out = cache.attend(layer, q, layer_window, rotate)    # per layer: the new queries over what the cache keeps
 
 The attention module (``kvlab.model.attention``) owns the model's rules: it scales and groups the queries, and tells
 the cache the layer's window. A cache stores, evicts, encodes and reads. Every cache reports the quantities the
@@ -116,10 +116,10 @@ def kv_codec(codec: str | None, shape: CacheShape) -> str:
     return canonical_dtype(codec or shape.dtype, "codec", KV_DTYPES)
 
 
-def refuse_window(window: int | None, cache: str, fix: str) -> None:
-    """Raise unless ``window`` is ``None``: for a cache that cannot restrict a step to a sliding window."""
-    if window is not None:
-        raise ValueError(f"window: {window} (a sliding-window layer) is not supported by {cache}; {fix}")
+def refuse_window(layer_window: int | None, cache: str, fix: str) -> None:
+    """Raise unless ``layer_window`` is ``None``: for a cache that cannot restrict a step to a sliding window."""
+    if layer_window is not None:
+        raise ValueError(f"layer_window: {layer_window} (a sliding-window layer) is not supported by {cache}; {fix}")
 
 
 def refuse_latent(shape: CacheShape, cache: str) -> None:
@@ -127,8 +127,15 @@ def refuse_latent(shape: CacheShape, cache: str) -> None:
     if shape.latent_values is not None:
         raise ValueError(
             f"shape: an MLA latent (latent_values={shape.latent_values}), which {cache} does not store; allowed: "
-            "per-head K/V (an MHA, GQA or MQA model); for MLA use LatentKVCache, in any codec"
+            "per-head K/V (an MHA, GQA or MQA model); for MLA use LatentKVCache (or WindowKVCache), in any codec"
         )
+
+
+def check_latent_value(shape: CacheShape, k: torch.Tensor, v: torch.Tensor) -> None:
+    """For an MLA latent's shape, raise unless ``v`` is ``k[..., :latent_values]`` (the same bytes, stored once)."""
+    r = shape.latent_values
+    if r is not None and (v.data_ptr() != k.data_ptr() or v.shape != k[..., :r].shape):
+        raise ValueError(f"v: must be k[..., :{r}]; MLA's value is the latent itself, stored once")
 
 
 class KVCache(ABC):
@@ -148,14 +155,16 @@ class KVCache(ABC):
     # step at a time: true of a cache that keeps every token, or evicts by position alone (a window); not of one
     # whose encoding or eviction depends on how the tokens were grouped into steps.
     prefill_is_stepwise = False
+    # A cache whose batch is a choice among the sequences of a pool (PagedKVCache) may start with none.
+    _min_batch_size = 1
 
     def __init__(self, shape: CacheShape, batch_size: int = 1, capacity: int | None = None) -> None:
         if not isinstance(shape, CacheShape):
             raise ValueError(
-                f"shape: {type(shape).__name__}; allowed: a kvlab.cache.CacheShape (CacheShape.from_config(cfg, device), or "
-                "Cache.for_model(model, ...))"
+                f"shape: {type(shape).__name__}; allowed: a kvlab.cache.CacheShape (CacheShape.from_config(cfg, "
+                "device), or Cache.for_model(model, ...))"
             )
-        require_int("batch_size", batch_size, 1)
+        require_int("batch_size", batch_size, self._min_batch_size)
         if capacity is not None:
             require_int("capacity", capacity, 1)
         self.shape = shape
@@ -194,12 +203,13 @@ class KVCache(ABC):
 
     @abstractmethod
     def attend(
-        self, layer: int, q: torch.Tensor, window: int | None = None, rotate: Rotate | None = None
+        self, layer: int, q: torch.Tensor, layer_window: int | None = None, rotate: Rotate | None = None
     ) -> torch.Tensor:
         """The reserved tokens' queries over what the cache keeps of one layer, causally.
 
         ``q``: ``[B, Hkv, G, T, D]``, grouped and scaled by the attention module -> ``[B, Hkv, G, T, Dv]``.
-        ``window``: the layer's own sliding window (``None``: global); a cache applies it or raises ``ValueError``.
+        ``layer_window``: the model layer's own sliding window (``None``: global), not a cache policy's; a cache
+        applies it or raises ``ValueError``.
         ``rotate(shift)``: ``q`` rotated by RoPE through ``shift`` (``[T]``) positions, for a cache that must score
         some keys at positions other than the query's own.
         """

@@ -164,9 +164,7 @@ _HIT_CASES: tuple[tuple[tuple[Tokens, ...], Tokens, int], ...] = (
 
 def _tiny_pool(n_blocks: int, block_size: int) -> PagedKVCache:
     """A paged cache whose K/V are one number per token: what it stores does not matter here, only its blocks."""
-    cache = PagedKVCache(CacheShape(1, 1, 1), n_blocks=n_blocks, block_size=block_size)
-    cache.free(cache.seq_ids[0])  # start with no sequence, as the engine does
-    return cache
+    return PagedKVCache(CacheShape(1, 1, 1), 0, n_blocks=n_blocks, block_size=block_size)  # no sequence yet
 
 
 def _cache_prompts(cache: PagedKVCache, prompts: Iterable[Sequence[int]]) -> None:

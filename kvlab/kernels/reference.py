@@ -21,6 +21,8 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
+from kvlab.spec.keep import SinksAndWindow
+
 MAX_SCORES = 2**26  # attention scores one prefill block may hold: 256 MB in fp32
 _FLOOR = torch.finfo(torch.float32).min  # stands in for an lse of -inf, so an empty part weighs exp(-inf) = 0
 
@@ -37,18 +39,19 @@ def decode_attention(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor) -> tor
 
 
 def window_mask(
-    q_positions: torch.Tensor, k_positions: torch.Tensor, window: int | None = None, sinks: int = 0
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    window: int | None = None,
+    sinks: int = 0,
+    layer_window: int | None = None,
 ) -> torch.Tensor:
     """Which keys each query may see: ``[T]``, ``[..., n]`` -> bool ``[..., T, n]``, True where visible.
 
-    Causal, and with a ``window``, only the ``window`` most recent keys (the query's own included) plus the first
-    ``sinks`` positions. ``window=None`` is plain causal attention.
+    ``kvlab.spec.keep.SinksAndWindow(window, sinks)``'s rule, within ``layer_window``: causal, and with a
+    ``window``, only the ``window`` most recent keys (the query's own included) plus the first ``sinks`` positions.
+    ``window=None`` is plain causal attention.
     """
-    q, k = q_positions[:, None], k_positions[..., None, :]
-    visible = k <= q
-    if window is not None:
-        visible &= (k > q - window) | (k < sinks)
-    return visible
+    return SinksAndWindow(window, sinks).visible(q_positions[:, None], k_positions[..., None, :], layer_window)
 
 
 def causal_attention(

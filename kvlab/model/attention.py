@@ -28,7 +28,7 @@ class Attention(nn.Module):
         self.layer = layer
         self.weights = WeightFormat() if weights is None else weights
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.window = cfg.layer_windows[layer] if cfg.layer_windows else None
+        self.layer_window = cfg.layer_windows[layer] if cfg.layer_windows else None
         self.scale = cfg.head_dim**-0.5
         q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         self.wqkv = nn.Parameter(torch.empty(cfg.d_model, q_dim + 2 * kv_dim))  # [in, q | k | v]
@@ -45,10 +45,10 @@ class Attention(nn.Module):
         q, k, v = qk[:, :, : self.n_heads], qk[:, :, self.n_heads :], qkv[:, :, qk_heads:]
         grouped = group_queries(q, self.n_kv_heads, self.scale)
         if cache is None:
-            out = causal_attention(grouped, k.transpose(1, 2), v.transpose(1, 2), 0, self.window)
+            out = causal_attention(grouped, k.transpose(1, 2), v.transpose(1, 2), 0, self.layer_window)
         else:
             cache.append(self.layer, k, v)
-            out = cache.attend(self.layer, grouped, self.window, functools.partial(rotated, grouped, rope))
+            out = cache.attend(self.layer, grouped, self.layer_window, functools.partial(rotated, grouped, rope))
         return self.weights.matmul(ungroup(out), self.wo)
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from kvlab.cache.base import KVCache
+from kvlab.cache.base import KVCache, SlabKVCache
 from kvlab.kernels.reference import causal_attention
 from kvlab.model.layers import RMSNorm, RotaryEmbedding, apply_rope
 from kvlab.spec.config import ModelConfig
@@ -89,6 +89,12 @@ class MLAAttention(nn.Module):
             if self.absorb:
                 out = self._attend_absorbed(q_nope, q_rope, cache)
             else:
+                if not isinstance(cache, SlabKVCache):  # re-expanding assumes slot i holds position i
+                    raise ValueError(
+                        f"cache: {type(cache).__name__} with absorb=False, which re-expands every cached latent as if "
+                        "it held positions 0 .. S-1; allowed: a cache that keeps every latent (LatentKVCache), or "
+                        "absorb=True"
+                    )
                 stored = cache.read(self.layer)[0][:, 0]
                 out = self._attend_expanded(q_nope, q_rope, stored, q_start=stored.shape[1] - t)
         return out.reshape(b, t, -1) @ self.wo

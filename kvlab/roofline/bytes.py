@@ -30,6 +30,7 @@ from functools import lru_cache
 
 from kvlab.spec.config import WEIGHT_COMPONENTS, ModelConfig
 from kvlab.spec.dtypes import BYTES_PER_ELEMENT, GROUP_STAT_BYTES, KV_DTYPES, KV_GROUP_STATS, canonical_dtype
+from kvlab.spec.keep import SinksAndWindow
 from kvlab.spec.published import QUANTIZED_BYTES_PER_PARAM, FractionRange, matching_fraction_range
 from kvlab.spec.validation import require_int
 
@@ -298,8 +299,9 @@ def kv_tokens_read(
     if shared_prefix > context:
         raise ValueError(f"shared_prefix: {shared_prefix}; allowed: at most the context ({context})")
     shared = per_sequence = 0
+    rule = SinksAndWindow(window, sinks)
     for layer_window, n_layers in _layers_by_window(cfg):
-        for start, end in _kept_intervals(context, layer_window, window, sinks):
+        for start, end in rule.spans(context - 1, context, layer_window):  # what the step's one query sees
             in_prefix = max(0, min(end, shared_prefix) - start)
             shared += n_layers * in_prefix
             per_sequence += n_layers * (end - start - in_prefix)
@@ -311,18 +313,6 @@ def _layers_by_window(cfg: ModelConfig) -> tuple[tuple[int | None, int], ...]:
     """``(window, n_layers)`` per distinct layer window: layers with the same window read the same tokens, so
     ``kv_tokens_read`` makes one pass per window (a simulated clock asks it for every row of every step)."""
     return tuple(Counter(cfg.layer_windows or (None,) * cfg.n_layers).items())
-
-
-def _kept_intervals(context: int, layer_window: int | None, window: int | None, sinks: int) -> list[tuple[int, int]]:
-    """Half-open position ranges one layer keeps: sinks and recent window, clipped to the layer's own window."""
-    if window is None:
-        kept = [(0, context)]
-    else:
-        head = min(sinks, context)
-        kept = [(0, head), (max(head, context - window), context)]
-    if layer_window is not None:
-        kept = [(max(start, context - layer_window), end) for start, end in kept]
-    return [(start, end) for start, end in kept if end > start]
 
 
 def kv_bytes_per_step(

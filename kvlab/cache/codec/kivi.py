@@ -2,10 +2,11 @@
 
 Layout, per layer (``B`` batch, ``Hkv`` KV heads, ``S`` tokens stored, ``D`` head dim):
 
-- the *quantized* part holds the oldest ``Q`` tokens, a multiple of ``group_size`` (G), encoded by a codec
+- the *quantized* part holds the oldest ``Q`` tokens, a multiple of ``key_group_tokens`` (G), encoded by a codec
   from ``kvlab.cache.codec.codecs`` as ``[B, Hkv, Q, D]``. Keys are grouped per channel (G consecutive tokens share
-  each channel's scale, KIVI's answer to outlier channels) or, with ``key_quant="per-token"``, per token (G
-  consecutive channels share a scale). Values are always grouped per token.
+  each channel's scale, KIVI's answer to outlier channels) or, with ``key_quant="per-token"``, per token
+  (``group_size`` consecutive channels share a scale). Values are always grouped per token, ``group_size`` channels
+  a scale, as in every other cache's codec.
 - the *residual* holds the newest ``S - Q`` tokens as they arrived (the shape's dtype), in a ring of
   ``min(capacity, R + G - 1)`` slots. A token stays there until the oldest G residual tokens form a whole group
   and at least ``R`` newer tokens remain; then that group is quantized. So the residual holds ``R .. R + G - 1``
@@ -68,10 +69,12 @@ _TOKEN_DIM, _CHANNEL_DIM = 2, 3  # dims of a [B, Hkv, S, D] store
 class QuantizedKVCache(SlabKVCache):
     """KIVI-style quantized K/V (see the module docstring) behind the ``KVCache`` interface.
 
-    ``codec``: a name from ``kvlab.cache.codec.codecs.CODECS`` (or a ``Codec``). ``group_size``: G, tokens per key
-    group (per-channel keys) and channels per value group. ``residual``: R, the newest tokens kept as they arrive
-    (the shape's dtype). ``chunk_size``: tokens per chunk the chunked path dequantizes at a time (a multiple of G,
-    so a chunk owns whole key groups). ``rollback``: how many newest tokens ``truncate`` may forget (module
+    ``codec``: a name from ``kvlab.cache.codec.codecs.CODECS`` (or a ``Codec``). ``group_size``: channels per
+    scale (values, and per-token keys), as for every cache. ``key_group_tokens``: G, tokens per key group
+    (per-channel keys), which leave the residual together (default: ``group_size``, KIVI's one G). ``residual``: R,
+    the newest tokens kept as they arrive (the shape's dtype). ``chunk_size``: tokens per chunk the chunked path
+    dequantizes at a time (a multiple of G, so a chunk owns whole key groups). ``rollback``: how many newest tokens
+    ``truncate`` may forget (module
     docstring); it costs that many more full-precision ring slots.
     """
 
@@ -87,6 +90,7 @@ class QuantizedKVCache(SlabKVCache):
         *,
         codec: str | Codec = "int8",
         group_size: int = 32,
+        key_group_tokens: int | None = None,
         residual: int = 128,
         attention: str = "chunked",
         chunk_size: int = 512,
@@ -96,32 +100,38 @@ class QuantizedKVCache(SlabKVCache):
         super().__init__(shape, batch_size, capacity)
         refuse_latent(shape, "QuantizedKVCache")
         require_int("group_size", group_size)
+        key_group_tokens = group_size if key_group_tokens is None else key_group_tokens
+        require_int("key_group_tokens", key_group_tokens)
         require_int("chunk_size", chunk_size)
         require_int("residual", residual, 0)
         require_int("rollback", rollback, 0)
-        if chunk_size % group_size:
+        if chunk_size % key_group_tokens:
             raise ValueError(
-                f"chunk_size: {chunk_size} is not allowed; allowed: a positive multiple of group_size={group_size}"
+                f"chunk_size: {chunk_size} is not allowed; allowed: a positive multiple of "
+                f"key_group_tokens={key_group_tokens}"
             )
-        self.codec = get_codec(codec)
+        self._codec = get_codec(codec)
+        self.codec = self._codec.name  # a name, as every cache's ``codec``; the Codec that encodes is ``_codec``
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention: unknown {attention!r}; allowed: {', '.join(ATTENTION_PATHS)}")
         if key_quant not in KEY_QUANT:
             raise ValueError(f"key_quant: unknown {key_quant!r}; allowed: {', '.join(KEY_QUANT)}")
-        if attention == "int-dot" and (self.codec.name != "int8" or key_quant != "per-token"):
+        if attention == "int-dot" and (self._codec.name != "int8" or key_quant != "per-token"):
             raise ValueError(
-                f"attention: 'int-dot' needs codec='int8' and key_quant='per-token' (got {self.codec.name!r}, "
+                f"attention: 'int-dot' needs codec='int8' and key_quant='per-token' (got {self._codec.name!r}, "
                 f"{key_quant!r}); allowed: {', '.join(ATTENTION_PATHS)}, with 'int-dot' only for those two"
             )
-        self.group_size, self.residual, self.chunk_size = group_size, residual, chunk_size
+        self.group_size, self.key_group_tokens = group_size, key_group_tokens
+        self.residual, self.chunk_size = residual, chunk_size
         self.attention, self.key_quant, self.rollback = attention, key_quant, rollback
         self._key_dim = _TOKEN_DIM if key_quant == "per-channel" else _CHANNEL_DIM
 
         capacity, device, n_layers = self.capacity, self.device, shape.n_layers
         store = (batch_size, shape.n_kv_heads, self._n_quantized(capacity), shape.head_dim)
-        self._k = [self.codec.empty(store, self._key_dim, group_size, device) for _ in range(n_layers)]
-        self._v = [self.codec.empty(store, _CHANNEL_DIM, group_size, device) for _ in range(n_layers)]
-        self._ring_slots = min(capacity, residual + group_size - 1 + rollback)
+        self._key_group = key_group_tokens if self._key_dim == _TOKEN_DIM else group_size  # along the key's dim
+        self._k = [self._codec.empty(store, self._key_dim, self._key_group, device) for _ in range(n_layers)]
+        self._v = [self._codec.empty(store, _CHANNEL_DIM, group_size, device) for _ in range(n_layers)]
+        self._ring_slots = min(capacity, residual + key_group_tokens - 1 + rollback)
         ring = (n_layers, batch_size, shape.n_kv_heads, self._ring_slots, shape.head_dim)
         self._ring_k = list(torch.zeros(ring, dtype=self.torch_dtype, device=device).unbind(0))
         self._ring_v = list(torch.zeros(ring, dtype=self.torch_dtype, device=device).unbind(0))
@@ -129,7 +139,8 @@ class QuantizedKVCache(SlabKVCache):
         scratch_tokens = capacity if attention == "naive" else chunk_size
         self._scratch = torch.empty(2, batch_size, shape.n_kv_heads, scratch_tokens, shape.head_dim, device=device)
         # A whole group's average: G tokens of one sequence in one layer, K and V, over G.
-        self._layer_token_bytes = self._quantized_bytes(group_size) / (group_size * n_layers * batch_size)
+        g = key_group_tokens
+        self._layer_token_bytes = self._quantized_bytes(g) / (g * n_layers * batch_size)
         self.reset()
 
     # -- the KVCache interface -----------------------------------------------------------------------------------
@@ -150,7 +161,7 @@ class QuantizedKVCache(SlabKVCache):
             for store, ring, x in zip(stores, rings, new, strict=True):
                 leaving = torch.cat([*self._ring_views(ring, q0, min(q1, s0)), x[:, :, : max(q1 - s0, 0)]], dim=2)
                 store.narrow(_TOKEN_DIM, q0, q1 - q0).copy_(
-                    self.codec.encode(leaving, store.group_dim, store.group_size)
+                    self._codec.encode(leaving, store.group_dim, store.group_size)
                 )
         # Every new token the ring can hold goes in, quantized or not: a rollback may return it to the residual.
         first = max(s0, self._length - self._ring_slots)
@@ -159,9 +170,9 @@ class QuantizedKVCache(SlabKVCache):
                 ring[:, :, slot : slot + n] = x[:, :, pos - s0 : pos - s0 + n]
 
     def attend(
-        self, layer: int, q: torch.Tensor, window: int | None = None, rotate: Rotate | None = None
+        self, layer: int, q: torch.Tensor, layer_window: int | None = None, rotate: Rotate | None = None
     ) -> torch.Tensor:
-        refuse_window(window, "QuantizedKVCache", "use ContiguousKVCache or WindowKVCache with codec=...")
+        refuse_window(layer_window, "QuantizedKVCache", "use ContiguousKVCache or WindowKVCache with codec=...")
         b, hkv, g, t, d = q.shape
         if self.attention == "naive":
             k, v = self._dequantize_into(layer, *self._scratch[:, :, :, : self._length].unbind(0))
@@ -170,7 +181,7 @@ class QuantizedKVCache(SlabKVCache):
             return self._attend_int_dot(layer, q[..., 0, :].float()).unsqueeze(-2).to(q.dtype)
         fused = fused_kernels(q.device) if t == 1 else None
         # The GPU kernels know fp8 / int8 / int4 codes by their dtype; int2 and int1 (uint8 too) take the chunked path.
-        if fused is not None and self.codec.name in fused.CODECS:
+        if fused is not None and self._codec.name in fused.CODECS:
             return self._attend_fused(fused, layer, q[..., 0, :].float()).unsqueeze(-2).to(q.dtype)
         # Rows of the query matrix are (query head in group, new token): [B, Hkv, G * T, D].
         q_pos = torch.arange(self._start, self._length, device=q.device).repeat(g)
@@ -239,11 +250,11 @@ class QuantizedKVCache(SlabKVCache):
         return self._quantized_bytes(q1) - self._quantized_bytes(q0) + residual
 
     def _n_quantized(self, n_tokens: int) -> int:
-        return max(n_tokens - self.residual, 0) // self.group_size * self.group_size
+        return max(n_tokens - self.residual, 0) // self.key_group_tokens * self.key_group_tokens
 
     def _quantized_bytes(self, n_tokens: int) -> int:
         shape = (self.batch_size, self.n_kv_heads, n_tokens, self.head_dim)
-        per_layer = self.codec.stored_bytes(shape, self._key_dim, self.group_size) + self.codec.stored_bytes(
+        per_layer = self._codec.stored_bytes(shape, self._key_dim, self._key_group) + self._codec.stored_bytes(
             shape, _CHANNEL_DIM, self.group_size
         )
         return self.n_layers * per_layer
@@ -279,7 +290,7 @@ class QuantizedKVCache(SlabKVCache):
             (self._v[layer], self._ring_v[layer], v_out),
         ):
             if self._quant:
-                self.codec.decode(store.narrow(_TOKEN_DIM, 0, self._quant), out=out[:, :, : self._quant])
+                self._codec.decode(store.narrow(_TOKEN_DIM, 0, self._quant), out=out[:, :, : self._quant])
             for pos, slot, n in self._ring_spans(self._quant, self._length):
                 out[:, :, pos : pos + n] = ring[:, :, slot : slot + n]
         return k_out, v_out
@@ -290,8 +301,8 @@ class QuantizedKVCache(SlabKVCache):
         k_buf, v_buf = self._scratch.unbind(0)
         for start in range(0, self._quant, self.chunk_size):
             n = min(self.chunk_size, self._quant - start)
-            k = self.codec.decode(self._k[layer].narrow(_TOKEN_DIM, start, n), out=k_buf[:, :, :n])
-            v = self.codec.decode(self._v[layer].narrow(_TOKEN_DIM, start, n), out=v_buf[:, :, :n])
+            k = self._codec.decode(self._k[layer].narrow(_TOKEN_DIM, start, n), out=k_buf[:, :, :n])
+            v = self._codec.decode(self._v[layer].narrow(_TOKEN_DIM, start, n), out=v_buf[:, :, :n])
             yield k, v, start
         for pos, slot, n in self._ring_spans(self._quant, self._length):
             for offset in range(0, n, self.chunk_size):
@@ -319,11 +330,11 @@ class QuantizedKVCache(SlabKVCache):
         ring_k = self._ring_views(self._ring_k[layer], n_quant, self._length)
         ring_v = self._ring_views(self._ring_v[layer], n_quant, self._length)
         residual_scores = [torch.matmul(qs, k.float().transpose(-1, -2)) for k in ring_k]
-        key_scores = int8_key_scores(qs, keys.payload, keys.scale, self.codec.bias(keys), keys.group_size)
+        key_scores = int8_key_scores(qs, keys.payload, keys.scale, self._codec.bias(keys), keys.group_size)
         p = torch.softmax(torch.cat([key_scores, *residual_scores], dim=-1), dim=-1)
-        value_codes = functools.partial(_codes_of_tokens, self.codec, values)
+        value_codes = functools.partial(_codes_of_tokens, self._codec, values)
         out = folded_value_product(
-            p[..., :n_quant], value_codes, values.scale, self.codec.bias(values), values.group_size, self._scratch[1]
+            p[..., :n_quant], value_codes, values.scale, self._codec.bias(values), values.group_size, self._scratch[1]
         )
         start = n_quant
         for v in ring_v:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.cache.base import CacheShape, Rotate
+from kvlab.cache.base import CacheShape, Rotate, refuse_latent
 from kvlab.cache.policy.slots import FixedSlotsKVCache
 from kvlab.kernels.reference import attention_with_probs, window_mask
 from kvlab.spec.validation import require_int
@@ -53,6 +53,7 @@ class HeavyHitterKVCache(FixedSlotsKVCache):
         group_size: int = 32,
     ) -> None:
         super().__init__(shape, batch_size, capacity, codec=codec, group_size=group_size)
+        refuse_latent(shape, "HeavyHitterKVCache")  # H2O's per-head scores have no latent counterpart here
         require_int("heavy", heavy, 0)
         require_int("recent", recent, 1)  # the newest token must stay: its own query attends to it
         self.heavy, self.recent = heavy, recent
@@ -113,7 +114,7 @@ class HeavyHitterKVCache(FixedSlotsKVCache):
         positions[index] = start
 
     def attend(
-        self, layer: int, q: torch.Tensor, window: int | None = None, rotate: Rotate | None = None
+        self, layer: int, q: torch.Tensor, layer_window: int | None = None, rotate: Rotate | None = None
     ) -> torch.Tensor:
         pending = self._pending.pop(layer, None)
         q_positions = torch.arange(self._start, self._seen, device=self.device)
@@ -121,12 +122,12 @@ class HeavyHitterKVCache(FixedSlotsKVCache):
             n = self.held(layer)
             k, v = self._keys[layer].read(n), self._values[layer].read(n)
             positions, scores = self._positions[layer][..., :n], self._scores[layer][..., :n]  # views: += lands
-            mask = None if window is None else window_mask(q_positions, positions, window)
+            mask = None if layer_window is None else window_mask(q_positions, positions, layer_window)
         else:
             n_old = self.held(layer, self._start)
             k, v = self._step_view(layer, n_old, *pending)
             positions, scores = self._step_bookkeeping(layer, n_old)
-            mask = window_mask(q_positions, positions, window)  # [B, Hkv, T, n]: causal, by position
+            mask = window_mask(q_positions, positions, layer_window)  # [B, Hkv, T, n]: causal, by position
         out, probs = attention_with_probs(q, k.transpose(-1, -2), v, mask)
         scores += probs.sum(dim=(2, 3)).float()
         if pending is not None:

@@ -15,17 +15,20 @@ keeps.
 Slots are not in position order (a ring, an H2O eviction), so a policy masks by the positions its slots hold:
 its own rule, and the model layer's sliding window, which ``attend`` is handed and no policy may read past.
 
+MLA's latent (``CacheShape.latent_values``) is one token-major store per layer, read as both key and value (its
+first ``latent_values`` channels), as ``kvlab.cache.storage.latent`` stores it: a policy over it keeps latents.
+
 The policies: ``WindowKVCache`` (window + sinks, per-layer windows; ``kvlab.cache.policy.window``) and
 ``HeavyHitterKVCache`` (H2O; ``kvlab.cache.policy.heavy_hitters``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from kvlab.cache.base import CacheCapacityError, CacheShape, KVCache, kv_codec, refuse_latent
+from kvlab.cache.base import CacheCapacityError, CacheShape, KVCache, kv_codec
 from kvlab.cache.codec.stores import Index, Store, make_store
 from kvlab.spec.validation import require_int
 
@@ -52,7 +55,6 @@ class FixedSlotsKVCache(KVCache):
         group_size: int = 32,
     ) -> None:
         super().__init__(shape, batch_size, capacity)
-        refuse_latent(shape, type(self).__name__)
         self.codec = kv_codec(codec, shape)
         self.group_size = group_size
         self._seen = 0
@@ -64,9 +66,11 @@ class FixedSlotsKVCache(KVCache):
             raise ValueError("capacity: None is not allowed when a layer keeps every token; allowed: an integer >= 1")
         self._keep = list(keep)
         slots = [min(bound for bound in (n, self.capacity) if bound is not None) for n in keep]
-        self._keys = [self._store(n, key_major=True) for n in slots]
-        self._values = [self._store(n, key_major=False) for n in slots]
-        self._layer_token_bytes = self.n_kv_heads * (self._keys[0].slot_bytes + self._values[0].slot_bytes)
+        latent = self.shape.latent_values is not None
+        self._keys = [self._store(n, key_major=not latent) for n in slots]
+        self._values = [] if latent else [self._store(n, key_major=False) for n in slots]  # latent: keys' channels
+        value_bytes = 0 if latent else self._values[0].slot_bytes
+        self._layer_token_bytes = self.n_kv_heads * (self._keys[0].slot_bytes + value_bytes)
 
     def _store(self, slots: int, key_major: bool) -> Store:
         shape = self.shape
@@ -106,7 +110,8 @@ class FixedSlotsKVCache(KVCache):
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The kept keys and values, ``[B, Hkv, n, D]`` each, in slot order (views for a float codec)."""
         n = self.held(layer)
-        return self._keys[layer].read(n), self._values[layer].read(n)
+        k = self._keys[layer].read(n)
+        return k, self._value_of(k, lambda: self._values[layer].read(n))
 
     def reset(self) -> None:
         self._seen = 0
@@ -115,17 +120,25 @@ class FixedSlotsKVCache(KVCache):
     def _write(self, layer: int, index: Index, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``, ``v`` (``[*selected, D]``) in the slots ``index`` selects from ``[B, Hkv, slots]``."""
         self._keys[layer].write(index, k)
-        self._values[layer].write(index, v)
+        if self._values:  # a latent's value is its key's first channels, stored once
+            self._values[layer].write(index, v)
 
     def _step_view(self, layer: int, n_old: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots ``0 .. n_old-1`` followed by this step's tokens as the stores will hold them, copied (the step is
         about to overwrite some of those slots): ``[B, Hkv, n_old + T, D]`` each. ``k``, ``v``: ``[B, T, Hkv, D]``
         as ``append`` takes them."""
-        keys, values = self._keys[layer], self._values[layer]
-        return (
-            torch.cat((keys.read(n_old), keys.as_stored(k.transpose(1, 2))), dim=-2),
-            torch.cat((values.read(n_old), values.as_stored(v.transpose(1, 2))), dim=-2),
+        keys = self._keys[layer]
+        view_k = torch.cat((keys.read(n_old), keys.as_stored(k.transpose(1, 2))), dim=-2)
+        values = None if not self._values else self._values[layer]
+        return view_k, self._value_of(
+            view_k, lambda: torch.cat((values.read(n_old), values.as_stored(v.transpose(1, 2))), dim=-2)
         )
+
+    def _value_of(self, k: torch.Tensor, read_values: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The values beside keys ``k`` (``[B, Hkv, n, D]``): a latent's first channels (a view), else
+        ``read_values()``."""
+        r = self.shape.latent_values
+        return read_values() if r is None else k[..., :r]
 
     # -- bytes ---------------------------------------------------------------------------------------------------
     def _tokens_read(self, layer: int, context: int) -> int:

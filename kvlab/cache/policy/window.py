@@ -27,11 +27,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvlab.cache.base import CacheShape, Rotate
+from kvlab.cache.base import CacheShape, Rotate, check_latent_value
 from kvlab.cache.codec.stores import attend_stores
+from kvlab.cache.policy.keep import KeepPolicy
 from kvlab.cache.policy.slots import FixedSlotsKVCache
-from kvlab.kernels.reference import attention_with_probs, window_mask
-from kvlab.spec.validation import require_int
+from kvlab.kernels.reference import attention_with_probs
 
 POSITIONS = ("original", "reassigned")
 
@@ -44,6 +44,7 @@ class WindowKVCache(FixedSlotsKVCache):
     - ``positions``: ``"original"`` or ``"reassigned"`` (see the module docstring).
     - ``capacity``: the most tokens a sequence may reach; ``None`` (unbounded) when every layer is local.
     - ``codec``, ``group_size``: how the kept K/V are stored (``FixedSlotsKVCache``).
+    - An MLA latent's shape (``CacheShape.latent_values``) keeps latents, in original positions.
 
     A multi-token step gives each of its queries its own window, so it equals feeding its tokens one at a time.
     """
@@ -63,24 +64,29 @@ class WindowKVCache(FixedSlotsKVCache):
         group_size: int = 32,
     ) -> None:
         super().__init__(shape, batch_size, capacity, codec=codec, group_size=group_size)
-        self.windows = _layer_windows(window, self.n_layers)
-        require_int("sinks", sinks, 0)
+        self.keep = KeepPolicy(window, sinks, self.n_layers)
         if positions not in POSITIONS:
             raise ValueError(f"positions: {positions!r} is not allowed; allowed: {', '.join(map(repr, POSITIONS))}")
+        if positions == "reassigned" and shape.latent_values is not None:
+            raise ValueError(
+                "positions: 'reassigned' with an MLA latent, whose queries are roped in part only; allowed: 'original'"
+            )
         self.sinks, self.positions = sinks, positions
-        self._allocate([None if w is None else sinks + w for w in self.windows])
+        self._allocate([self.keep.bound(layer) for layer in range(self.n_layers)])
         # A multi-token step that evicts tokens its own queries still need attends over this copy instead:
         # keys, values [B, Hkv, n, D] and their positions [n].
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._read_windows: list[int | None] = [None] * self.n_layers  # the model's, as its layers last told them
 
     # -- which tokens are kept, and where -------------------------------------------------------------------------
+    @property
+    def windows(self) -> list[int | None]:
+        """The policy's window per layer (``None``: a layer keeping every token)."""
+        return self.keep.windows
+
     def _kept_in_order(self, layer: int, n_seen: int) -> torch.Tensor:
         """Positions ``layer`` holds after ``n_seen`` tokens, ascending: ``[n]`` (the sinks, then the window)."""
-        w, device = self.windows[layer], self.device
-        if w is None or n_seen <= self.sinks + w:
-            return torch.arange(n_seen, device=device)
-        return torch.cat((torch.arange(self.sinks, device=device), torch.arange(n_seen - w, n_seen, device=device)))
+        return self.keep.kept(layer, n_seen, self.device)
 
     def _slots(self, layer: int, positions: torch.Tensor | int) -> torch.Tensor | int:
         """The slot of each position (a tensor, or one int): a sink's own index, else its place in the ring."""
@@ -125,6 +131,7 @@ class WindowKVCache(FixedSlotsKVCache):
         return super().reserve(n_new)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        check_latent_value(self.shape, k, v)
         start, end, t = self._start, self._seen, k.shape[1]
         if t == 1 or self.held(layer, end) == end:  # one slot, or nothing evicted: consecutive slots, in place
             first = self._slots(layer, start)
@@ -140,28 +147,28 @@ class WindowKVCache(FixedSlotsKVCache):
         self._write(layer, slots, k[:, new].transpose(1, 2), v[:, new].transpose(1, 2))
 
     def attend(
-        self, layer: int, q: torch.Tensor, window: int | None = None, rotate: Rotate | None = None
+        self, layer: int, q: torch.Tensor, layer_window: int | None = None, rotate: Rotate | None = None
     ) -> torch.Tensor:
-        self._read_windows[layer] = window
-        keys, values = self._keys[layer], self._values[layer]
+        self._read_windows[layer] = layer_window
+        keys, r = self._keys[layer], self.shape.latent_values
+        values = self._values[layer] if self._values else None  # None: a latent, its own value
         view = self._views.pop(layer, None)
         if view is None and self.held(layer) == self._seen:
-            # Nothing evicted yet: slot i holds position i, a slab (the model's window applied as it reads).
-            return attend_stores(q, keys, values, self._seen, self._start, window)
+            # Nothing evicted yet: slot i holds position i, a slab (the layer's window applied as it reads).
+            return attend_stores(q, keys, values, self._seen, self._start, layer_window, value_dim=r)
         sink_q = self._sink_query(layer, rotate)
         q_positions = torch.arange(self._start, self._seen, device=self.device)
         if view is not None:
             k, v, positions = view
-            mask = window_mask(q_positions, positions, self.windows[layer], self.sinks)
-            mask &= window_mask(q_positions, positions, window)
+            mask = self.keep.mask(layer, q_positions, positions, layer_window)
         else:  # a decode step: the slots hold exactly the sinks and the window the policy keeps
             oldest = 0 if self.sinks else self._seen - self.windows[layer]
-            everything_visible = window is None or oldest > self._start - window
+            everything_visible = layer_window is None or oldest > self._start - layer_window
             if sink_q is None and everything_visible:  # the common decode step: every kept slot, in any order
-                return attend_stores(q, keys, values, self.held(layer), self._start)
+                return attend_stores(q, keys, values, self.held(layer), self._start, value_dim=r)
             k, v = self.read(layer)
             positions = self._slot_positions(layer, self._seen)
-            mask = None if everything_visible else window_mask(q_positions, positions, window)
+            mask = None if everything_visible else self.keep.mask(layer, q_positions, positions, layer_window)
         out, _ = attention_with_probs(q, k.transpose(-1, -2), v, mask, sink_q, self.sinks)
         return out
 
@@ -173,20 +180,3 @@ class WindowKVCache(FixedSlotsKVCache):
         """Every kept token; before the first eviction, only the model window's (as ``attend_stores`` reads)."""
         held, window = self.held(layer, context), self._read_windows[layer]
         return min(held, window) if window is not None and held == context else held
-
-
-def _layer_windows(window: int | Sequence[int | None] | None, n_layers: int) -> list[int | None]:
-    """One window per layer from an int or a per-layer sequence, validated."""
-    if isinstance(window, int) and not isinstance(window, bool):
-        require_int("window", window, 1)
-        return [window] * n_layers
-    if isinstance(window, (str, bytes)) or not isinstance(window, Sequence) or len(window) != n_layers:
-        raise ValueError(
-            f"window: {window!r} is not allowed; allowed: an integer >= 1, or {n_layers} entries "
-            "(one per layer: an integer >= 1 for a local layer, None for a global one; a model's own are "
-            "model.cfg.layer_windows)"
-        )
-    for i, w in enumerate(window):
-        if w is not None:
-            require_int(f"window[{i}]", w, 1)
-    return list(window)

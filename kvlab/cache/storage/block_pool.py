@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 from kvlab.cache.base import CacheCapacityError
 from kvlab.spec.validation import require_int
 
-HOLE = -1  # a released entry of a block table: not a block id, so an index that reached it would raise
+# A table entry that holds no block: a released one (a window's hole), or the padding of a shorter row in a batch's
+# table tensor. Not a block id, so an index that reached it would raise.
+HOLE = -1
 
 
 class PoolExhaustedError(CacheCapacityError):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.cache.base import CacheShape, Rotate, SlabKVCache, kv_codec, refuse_window
+from kvlab.cache.base import CacheShape, Rotate, SlabKVCache, check_latent_value, kv_codec, refuse_window
 from kvlab.cache.codec.stores import attend_stores, make_store
 
 
@@ -29,8 +29,9 @@ class LatentKVCache(SlabKVCache):
     weighted sum at once (every head scores against the same latent, so ``q @ K`` is a matrix product here, not the
     matrix-vector product that key-major storage sped up for MHA). ``codec`` (default: the dtype the latents arrive
     in) is any of ``kvlab.spec.dtypes.KV_DTYPES``; fp8/int8/int4 encode each latent on its own, ``group_size`` channels
-    per scale (``kvlab.cache.codec.stores``). Byte methods count each latent once, as ``kvlab.roofline.kv_bytes_per_token``
-    does for MLA; this unfused kernel streams ``c_kv`` twice a step (scores, then the weighted sum), a fused one once.
+    per scale (``kvlab.cache.codec.stores``). Byte methods count each latent once, as
+    ``kvlab.roofline.kv_bytes_per_token`` does for MLA; this unfused kernel streams ``c_kv`` twice a step (scores,
+    then the weighted sum), a fused one once. A window + sinks over latents is ``WindowKVCache`` on the same shape.
     """
 
     prefill_is_stepwise = True  # every latent kept, each encoded on its own
@@ -46,8 +47,8 @@ class LatentKVCache(SlabKVCache):
     ) -> None:
         if shape.latent_values is None:
             raise ValueError(
-                f"shape: {shape} has no latent_values; allowed: an MLA latent's shape (CacheShape.from_config(an MLA config), "
-                "or CacheShape(n_layers, 1, r + p, latent_values=r))"
+                f"shape: {shape} has no latent_values; allowed: an MLA latent's shape (CacheShape.from_config(an MLA "
+                "config), or CacheShape(n_layers, 1, r + p, latent_values=r))"
             )
         super().__init__(shape, batch_size, capacity)
         self.codec = kv_codec(codec, shape)
@@ -59,15 +60,14 @@ class LatentKVCache(SlabKVCache):
         self._layer_token_bytes = self._latents[0].slot_bytes
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        r = self.shape.latent_values
-        if v.data_ptr() != k.data_ptr() or v.shape != k[..., :r].shape:
-            raise ValueError(f"v: must be k[..., :{r}]; MLA's value is the latent itself, stored once")
+        check_latent_value(self.shape, k, v)
         self._latents[layer].write(self._new_slots, k.transpose(1, 2))
 
     def attend(
-        self, layer: int, q: torch.Tensor, window: int | None = None, rotate: Rotate | None = None
+        self, layer: int, q: torch.Tensor, layer_window: int | None = None, rotate: Rotate | None = None
     ) -> torch.Tensor:
-        refuse_window(window, "LatentKVCache", "kvlab has no MLA model with sliding-window layers; attend globally")
+        fix = "kvlab has no MLA model with sliding-window layers; attend globally"
+        refuse_window(layer_window, "LatentKVCache", fix)
         store, r = self._latents[layer], self.shape.latent_values
         return attend_stores(q, store, None, self._length, self._start, value_dim=r)
 

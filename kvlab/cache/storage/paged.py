@@ -48,17 +48,14 @@ A fused paged kernel takes per-row lengths and does the same in one launch; here
 layer, which only ragged steps pay.
 
 Window + sinks (StreamingLLM, in blocks, as vLLM's sliding window): ``window=W, sinks=S`` keeps a sequence's first S
-tokens and its W most recent (the newest included), in every layer. Keys stay roped at their original positions
-(nothing is re-assigned or re-roped: ``WindowKVCache(positions="original")`` is the reference, and the logits match
-it). When a step starts, every block that holds no token its first query can see (after the sinks' blocks and
-before the window's first) goes back to the pool (``BlockPool.release_block``) and its table entry becomes a hole
-the cache never reads, so a sequence holds at most ``ceil(S/B) + ceil(W/B) + 1`` blocks however long it grows. A
-step gathers only the sinks' blocks and the window's (whole blocks, one copy) and masks, per query, the gathered
-slots outside its own keep-set (``window_mask``: the partial blocks' extra tokens, and for a multi-token step the
-older tokens its later queries no longer see; a long chunk a block of queries at a time, as ``causal_attention``),
-so a prefill chunk equals feeding its tokens one at a time. The layer's own window applies on top. A window evicts,
-so it cannot roll back (speculative decoding refuses it), and it has no cascade. Its blocks' prefix hashes stay
-valid: a block's K/V depend on the prefix and the policy, and every sequence of a cache runs the same policy.
+tokens and its W most recent, in every layer; the policy (``kvlab.cache.policy.keep``) says which positions a step
+reads and which blocks can go, the pool says where they are. Keys stay roped at their original positions, so the
+logits match ``WindowKVCache(positions="original")``. Before a step, the blocks no query can see any more go back
+to the pool and become holes in the table, so a sequence holds at most ``ceil(S/B) + ceil(W/B) + 1`` blocks. A
+decode step attends to exactly the kept positions; a multi-token step gathers those any of its queries sees and
+masks each query to its own keep-set, so a chunk equals its tokens one at a time. A window evicts, so it cannot
+roll back (speculative decoding refuses it), and it has no cascade. Its blocks' prefix hashes stay valid: a block's
+K/V depend on the prefix and the policy, and every sequence of a cache runs the same policy.
 """
 
 from __future__ import annotations
@@ -70,6 +67,7 @@ import torch
 
 from kvlab.cache.base import CacheCapacityError, CacheShape, KVCache, Rotate, kv_codec, refuse_latent
 from kvlab.cache.codec.stores import fused_kernels, make_store
+from kvlab.cache.policy.keep import KeepPolicy, positions_of
 from kvlab.cache.storage.block_pool import HOLE, BlockPool, int_tuple, shared_prefix_blocks
 from kvlab.kernels.reference import (
     MAX_SCORES,
@@ -77,12 +75,12 @@ from kvlab.kernels.reference import (
     attention_with_probs,
     cascade_decode_attention,
     decode_attention,
-    window_mask,
+    online_softmax_attention,
 )
+from kvlab.spec.keep import SinksAndWindow, Span, count_blocks
 from kvlab.spec.validation import require_int
 
 TABLE_ENTRY_BYTES = 4  # block tables are int32, as in vLLM and FlashInfer
-PAD_BLOCK = -1  # pads a shorter row of the table; not a block id, so an index that reached it would raise
 
 
 class PagedKVCache(KVCache):
@@ -94,7 +92,8 @@ class PagedKVCache(KVCache):
     ``codec`` (default: the dtype K/V arrive in) is any of ``kvlab.spec.dtypes.KV_DTYPES``, ``group_size`` channels per
     scale for fp8/int8/int4.
 
-    The batch starts as ``batch_size`` empty sequences; ``begin`` replaces it (with prefix hits), ``fork`` grows
+    The batch starts as ``batch_size`` empty sequences (``batch_size=0``: a pool with none yet, as a server starts,
+    which ``n_blocks`` sizes); ``begin`` replaces it (with prefix hits), ``fork`` grows
     it, ``use`` makes it any of the pool's sequences (``new_sequence`` adds them), so ``batch_size`` follows the
     batch. Its sequences may sit at different lengths; such a batch steps one token per sequence (module
     docstring). ``reserve`` raises ``PoolExhaustedError`` (a ``CacheCapacityError``) before changing anything when
@@ -105,6 +104,7 @@ class PagedKVCache(KVCache):
     """
 
     _rolls_back = True
+    _min_batch_size = 0
     prefill_is_stepwise = True  # module docstring: a chunk equals its tokens one at a time, window or not
 
     def __init__(
@@ -123,14 +123,12 @@ class PagedKVCache(KVCache):
     ) -> None:
         super().__init__(shape, batch_size, capacity)
         require_int("block_size", block_size)
-        if window is not None:
-            require_int("window", window, 1)
-        require_int("sinks", sinks, 0)
-        if sinks and window is None:
-            raise ValueError(f"sinks: {sinks} without a window; allowed: 0, or give window (an integer >= 1) too")
+        SinksAndWindow(window, sinks)  # validates both; KeepPolicy would silently drop sinks given no window
         if window is not None and cascade:
             raise ValueError("cascade: True with a window is not supported; allowed: cascade=False with a window")
         if n_blocks is None:
+            if batch_size == 0:
+                raise ValueError("n_blocks: None with batch_size 0; allowed: n_blocks (an integer >= 1) for the pool")
             if capacity is None:
                 raise ValueError(
                     "n_blocks: None with capacity None; allowed: n_blocks (an integer >= 1), or a capacity to size "
@@ -143,6 +141,8 @@ class PagedKVCache(KVCache):
         self.pool = BlockPool(n_blocks, block_size)
         self.cascade = cascade
         self.window, self.sinks = window, sinks
+        # A block holds every layer's K/V, so the window is one for all layers.
+        self.keep = KeepPolicy([window] * shape.n_layers, sinks, shape.n_layers)
         if window is not None:  # the tokens a rollback would bring back may already be gone
             self._rolls_back = False
             self._no_rollback = (
@@ -282,6 +282,10 @@ class PagedKVCache(KVCache):
         """Claim ``n_new`` slots per sequence; return the first one's position: an int for a batch at one length,
         a LongTensor ``[B]`` (each row's own) for a ragged batch, which takes ``n_new=1`` only."""
         require_int("n_new", n_new)
+        if not self._seq_ids:
+            raise ValueError(
+                "reserve: the batch has no sequence; allowed: a batch of one or more (new_sequence, then use)"
+            )
         if self._ragged and n_new != 1:
             raise ValueError(
                 f"n_new: {n_new} for a batch of sequences at different lengths (lengths {self._lengths}), which "
@@ -322,31 +326,26 @@ class PagedKVCache(KVCache):
         self._values[layer].write(self._slots, v.permute(2, 0, 1, 3))
 
     def attend(
-        self, layer: int, q: torch.Tensor, window: int | None = None, rotate: Rotate | None = None
+        self, layer: int, q: torch.Tensor, layer_window: int | None = None, rotate: Rotate | None = None
     ) -> torch.Tensor:
-        self._read_windows[layer] = window
-        if self.window is not None:
-            if not self._ragged:
-                return self._attend_kept(layer, q, self._table, self._start, self.length, window)
-            rows = [
-                self._attend_kept(layer, q[i : i + 1], self._table[i : i + 1], n - 1, n, window)
-                for i, n in enumerate(self._lengths)
-            ]
-            return torch.cat(rows)
-        if q.shape[-2] > 1:
-            return attend_slab(q, *self._gather(layer, self._table, 0, self.length), self._start, window)
+        self._read_windows[layer] = layer_window
+        if q.shape[-2] > 1:  # a batch at one length: a ragged one steps a token per row
+            if self.window is not None:
+                return self._attend_kept(layer, q, self._table, self._start, self.length, layer_window)
+            return attend_slab(q, *self._gather(layer, self._table, 0, self.length), self._start, layer_window)
         fused = fused_kernels(q.device)
-        if fused is not None and not self._cascade_blocks():
+        if fused is not None and not self._cascade_blocks() and self.window is None:
             # One launch for the batch, ragged or not, reading each row's blocks in place through its table.
             lengths = torch.tensor(self._lengths, dtype=torch.int32, device=self.device)
             keys, values, size = self._keys[layer], self._values[layer], self.block_size
-            out = fused.decode(q[..., 0, :], keys, values, lengths, table=self._table, block_size=size, window=window)
+            table = self._table
+            out = fused.decode(q[..., 0, :], keys, values, lengths, table=table, block_size=size, window=layer_window)
             return out.unsqueeze(-2)
         if not self._ragged:
-            return self._decode(layer, q[..., 0, :], self._table, self.length, window).unsqueeze(-2)
+            return self._decode(layer, q[..., 0, :], self._table, self.length, layer_window).unsqueeze(-2)
         # Each row over its own blocks, so no row reads another's padding or a token past its own position.
         rows = [
-            self._decode(layer, q[i : i + 1, ..., 0, :], self._table[i : i + 1], n, window)
+            self._decode(layer, q[i : i + 1, ..., 0, :], self._table[i : i + 1], n, layer_window)
             for i, n in enumerate(self._lengths)
         ]
         return torch.cat(rows).unsqueeze(-2)
@@ -362,12 +361,8 @@ class PagedKVCache(KVCache):
                 f"read: the batch's sequences are at different lengths ({self._lengths}), which no [B, Hkv, S, D] "
                 "holds; allowed: a batch at one length; use([seq_id]) to read one sequence"
             )
-        if self.window is not None:
-            n = self.length
-            k, v, positions = self._gather_kept(layer, self._table, n - 1, n, None)
-            kept = window_mask(torch.tensor([n - 1], device=self.device), positions, self.window, self.sinks)[0]
-            return k[..., kept, :], v[..., kept, :]
-        k_t, v = self._gather(layer, self._table, 0, self.length)
+        n = self.length
+        k_t, v = self._gather_spans(layer, self._table, self.keep.spans(layer, n - 1, n) or [(0, 0)])
         return k_t.transpose(-1, -2), v
 
     # -- bytes --------------------------------------------------------------------------------------------------
@@ -404,17 +399,13 @@ class PagedKVCache(KVCache):
         contexts = self._lengths if context is None else [context] * self.batch_size
         size = self.block_size
         shared = min(self._cascade_blocks(), max(longest - 1, 0) // size)
-        # n_read: blocks (of one layer) and table entries, summed over layers
-        if self.window is not None:  # no cascade: each sequence reads its own kept blocks
-            n_read = sum(len(self._kept_blocks(n - 1, n, w)) for w in self._read_windows for n in contexts if n)
-        else:
-            n_read = 0
-            for window in self._read_windows:
-                skips = [0 if window is None else max(0, n - window) // size for n in contexts]
-                # Blocks are shared only in a batch at one length (cascade), where every row skips the same blocks.
-                layer_shared = max(0, shared - min(skips, default=0))
-                own = (math.ceil(n / size) - skip - layer_shared for n, skip in zip(contexts, skips, strict=True))
-                n_read += layer_shared + sum(own)
+        n_read = 0  # blocks (of one layer) and table entries, summed over layers
+        for layer, window in enumerate(self._read_windows):
+            spans = [self.keep.spans(layer, n - 1, n, window) for n in contexts if n]
+            # Blocks are shared only in a batch at one length (cascade, no cache window), where every row skips
+            # the same blocks.
+            layer_shared = max(0, shared - min((s[0][0] // size for s in spans), default=0))
+            n_read += layer_shared + sum(count_blocks(s, size) - layer_shared for s in spans)
         layer_block_bytes = self.block_size * self._layer_token_bytes
         return round(n_read * layer_block_bytes) + n_read * TABLE_ENTRY_BYTES
 
@@ -440,7 +431,7 @@ class PagedKVCache(KVCache):
         caller that only keeps the books (an engine's stand-in model) never reads it, and building it costs as much
         as the rest of such a step."""
         if self._table_tensor is None:
-            padded = [t + [PAD_BLOCK] * (self._width - len(t)) for t in self._tables]
+            padded = [t + [HOLE] * (self._width - len(t)) for t in self._tables]
             table = torch.tensor(padded, dtype=torch.int32, device=self.device)
             self._table_tensor = table.view(len(padded), self._width)
         return self._table_tensor
@@ -479,49 +470,28 @@ class PagedKVCache(KVCache):
         if self.window is None:
             return False
         released = False
-        first_kept = math.ceil(self.sinks / self.block_size)
         for seq_id in self._seq_ids:
             table, n = self.pool.block_table(seq_id), self.pool.length(seq_id)
             # Walk back from the newest evicted block: the ones before it went back on earlier steps (holes), unless
             # the sequence began with prefix hits, whose blocks this walk then gives back too.
-            index = max(0, n + 1 - self.window) // self.block_size - 1
-            while index >= first_kept and table[index] != HOLE:
+            for index in reversed(self.keep.blocks_gone(n, self.block_size)):
+                if table[index] == HOLE:
+                    break
                 self.pool.release_block(seq_id, index)
-                released, index = True, index - 1
+                released = True
         return released
-
-    def _kept_blocks(self, first: int, end: int, layer_window: int | None) -> list[int]:
-        """Table indices of the blocks holding a token some query at ``first .. end-1`` sees (window, sinks and the
-        layer's window): the first query reaches furthest back, and every later one sees up to ``end``."""
-        reach = 0 if layer_window is None else max(0, first + 1 - layer_window)  # the layer's window, sinks included
-        recent = max(reach, first + 1 - self.window)
-        spans = ((reach, min(self.sinks, end)), (recent, end))
-        size = self.block_size
-        return sorted({i for lo, hi in spans if hi > lo for i in range(lo // size, math.ceil(hi / size))})
-
-    def _gather_kept(
-        self, layer: int, table: torch.Tensor, first: int, end: int, layer_window: int | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The blocks ``_kept_blocks`` names, whole: ``k``, ``v``: ``[B, Hkv, n, D]`` (floats) and each slot's
-        position ``[n]`` (a partial block's slots past ``end`` included: a mask must hide them)."""
-        index = torch.tensor(self._kept_blocks(first, end, layer_window), dtype=torch.long, device=self.device)
-        blocks = table[:, index]
-        k = self._keys[layer].take_blocks(blocks, self.block_size)
-        v = self._values[layer].take_blocks(blocks, self.block_size)
-        positions = (index[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).flatten()
-        return k, v, positions
 
     def _attend_kept(
         self, layer: int, q: torch.Tensor, table: torch.Tensor, first: int, end: int, layer_window: int | None
     ) -> torch.Tensor:
-        """The cache window's step: queries ``q`` (``[B, Hkv, G, T, D]``) at positions ``first .. end-1`` over the
-        kept blocks of ``table`` (``[B, m]``, rows at one length), each query masked to its own keep-set -> ``[B,
-        Hkv, G, T, D]``. Slots a query must not see (evicted from its window, past it, or the unwritten tail of the
-        last block, which holds zeros or an older sequence's finite K/V) score ``-inf`` and weigh exactly 0."""
+        """The cache window's multi-token step: queries ``q`` (``[B, Hkv, G, T, D]``) at positions ``first ..
+        end-1`` over the positions any of them sees, gathered from ``table`` (``[B, m]``, rows at one length), each
+        query masked to its own keep-set (the tokens its later neighbours still see, it may not) -> ``[B, Hkv, G,
+        T, D]``."""
         b, hkv, g, n_q, _ = q.shape
-        n_slots = n_q + self.sinks + self.window + 3 * self.block_size  # at least the slots the step gathers
+        n_slots = n_q + self.sinks + self.window  # at least the positions the step gathers
         block = max(1, MAX_SCORES // (b * hkv * g * n_slots))
-        if block < n_q:  # a long prefill chunk: a block of queries at a time, each over the blocks its queries keep
+        if block < n_q:  # a long prefill chunk: a block of queries at a time, each over what its queries keep
             parts = [
                 self._attend_kept(
                     layer, q[..., i : i + block, :], table, first + i, min(end, first + i + block), layer_window
@@ -529,27 +499,48 @@ class PagedKVCache(KVCache):
                 for i in range(0, n_q, block)
             ]
             return torch.cat(parts, dim=-2)
-        k, v, positions = self._gather_kept(layer, table, first, end, layer_window)
+        spans = self.keep.spans(layer, first, end, layer_window)
+        k_t, v = self._gather_spans(layer, table, spans)
         q_positions = torch.arange(first, end, device=self.device)
-        mask = window_mask(q_positions, positions, self.window, self.sinks)
-        mask &= window_mask(q_positions, positions, layer_window)
-        return attention_with_probs(q, k.transpose(-1, -2), v, mask)[0]
+        mask = self.keep.mask(layer, q_positions, positions_of(spans, self.device), layer_window)
+        return attention_with_probs(q, k_t, v, mask)[0]
 
     def _decode(
         self, layer: int, q: torch.Tensor, table: torch.Tensor, length: int, window: int | None
     ) -> torch.Tensor:
         """One query per row (``q``: ``[B, Hkv, G, D]``) over the ``length`` tokens of ``table``'s rows (``[B, m]``,
-        at one length). Only the blocks holding the window's tokens, ``[first, length)``, are gathered."""
-        first = 0 if window is None else max(0, length - window)
-        skip_blocks = first // self.block_size
-        n_shared = self._cascade_blocks()
-        if n_shared > skip_blocks:
+        at one length). Only the positions the query sees (``self.keep``: the layer's window, the cache's sinks
+        and window) are gathered."""
+        spans = self.keep.spans(layer, length - 1, length, window)
+        first = spans[0][0]
+        n_shared = self._cascade_blocks()  # no cascade with a cache window: then one span, ending at ``length``
+        if n_shared > first // self.block_size:
+            skip_blocks = first // self.block_size
             prefix = n_shared * self.block_size
             prefix_k_t, prefix_v = self._gather(layer, table[:1, skip_blocks:n_shared], first, prefix)
             suffix = self._gather(layer, table[:, n_shared:], prefix, length)
             return cascade_decode_attention(q, prefix_k_t[0], prefix_v[0], *suffix)
-        own = table[:, skip_blocks : math.ceil(length / self.block_size)]
-        return decode_attention(q, *self._gather(layer, own, first, length))
+        parts = self._gather_parts(layer, table, spans)
+        if len(parts) == 1:
+            return decode_attention(q, *parts[0])
+        # The sinks and the window: attention over each, merged by their lse, so the two are never copied into one.
+        return online_softmax_attention(q, ((k_t.transpose(-1, -2), v, 0) for k_t, v in parts))
+
+    def _gather_parts(
+        self, layer: int, table: torch.Tensor, spans: list[Span]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The positions of each of ``spans`` in the blocks of ``table`` (``[B, m]``), as ``k_t``: ``[B, Hkv, D,
+        n]`` and ``v``: ``[B, Hkv, n, D]`` (floats), one pair per span."""
+        size = self.block_size
+        return [self._gather(layer, table[:, lo // size : math.ceil(hi / size)], lo, hi) for lo, hi in spans]
+
+    def _gather_spans(self, layer: int, table: torch.Tensor, spans: list[Span]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The positions of ``spans`` (sorted, disjoint) in the blocks of ``table``, in order, as one ``k_t``, ``v``
+        pair (shapes as ``_gather_parts``)."""
+        parts = self._gather_parts(layer, table, spans)
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([k for k, _ in parts], dim=-1), torch.cat([v for _, v in parts], dim=-2)
 
     def _gather(self, layer: int, table: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions ``start .. end-1`` of the blocks ``table`` (``[B, m]``) lists, its first block being the one

@@ -80,18 +80,18 @@ class SharedPrefixKVCache(KVCache):
         self._active.append(layer, k, v)
 
     def attend(
-        self, layer: int, q: torch.Tensor, window: int | None = None, rotate: Rotate | None = None
+        self, layer: int, q: torch.Tensor, layer_window: int | None = None, rotate: Rotate | None = None
     ) -> torch.Tensor:
-        self._read_windows[layer] = window
+        self._read_windows[layer] = layer_window
         if self.suffix is None:
-            return self.prefix.attend(layer, q, window)
+            return self.prefix.attend(layer, q, layer_window)
         if q.shape[-2] > 1:
             # Several new tokens (a per-sequence prompt after the shared one): attend over prefix + suffix, copied.
             k, v = self.read(layer)
-            return attend_slab(q, k.transpose(-1, -2), v, self.length - q.shape[-2], window)
-        # Decode: the prefix tokens the window reaches, read once for the batch, merged with each suffix's.
+            return attend_slab(q, k.transpose(-1, -2), v, self.length - q.shape[-2], layer_window)
+        # Decode: the prefix tokens the layer's window reaches, read once for the batch, merged with each suffix's.
         n_prefix = self.prefix.length
-        first = 0 if window is None else max(0, self.length - window)
+        first = 0 if layer_window is None else max(0, self.length - layer_window)
         prefix_k, prefix_v = (x[0, :, min(first, n_prefix) :] for x in self.prefix.read(layer))
         suffix_k, suffix_v = (x[:, :, max(0, first - n_prefix) :] for x in self.suffix.read(layer))
         out = cascade_decode_attention(

@@ -71,10 +71,10 @@ class ContiguousKVCache(SlabKVCache):
         self._values[layer].write(self._new_slots, v.transpose(1, 2))
 
     def attend(
-        self, layer: int, q: torch.Tensor, window: int | None = None, rotate: Rotate | None = None
+        self, layer: int, q: torch.Tensor, layer_window: int | None = None, rotate: Rotate | None = None
     ) -> torch.Tensor:
-        self._read_windows[layer] = window
-        return attend_stores(q, self._keys[layer], self._values[layer], self._length, self._start, window)
+        self._read_windows[layer] = layer_window
+        return attend_stores(q, self._keys[layer], self._values[layer], self._length, self._start, layer_window)
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._keys[layer].read(self._length), self._values[layer].read(self._length)
@@ -153,7 +153,7 @@ class StaticKVCache(KVCache):
         self._values[layer].write(index, v.transpose(1, 2))
 
     def attend(
-        self, layer: int, q: torch.Tensor, window: int | None = None, rotate: Rotate | None = None
+        self, layer: int, q: torch.Tensor, layer_window: int | None = None, rotate: Rotate | None = None
     ) -> torch.Tensor:
         """``q`` ``[B, Hkv, G, T, D]`` over the causal (and windowed) slots: ``[B, Hkv, G, T, D]``.
 
@@ -163,10 +163,11 @@ class StaticKVCache(KVCache):
         """
         if self._fused is not None and q.shape[-2] == 1:
             lengths = self._end.to(torch.int32).expand(q.shape[0])
-            out = self._fused.decode(q[..., 0, :], self._keys[layer], self._values[layer], lengths, window=window)
+            keys, values = self._keys[layer], self._values[layer]
+            out = self._fused.decode(q[..., 0, :], keys, values, lengths, window=layer_window)
             return out.unsqueeze(-2)
         queries = self._start + torch.arange(q.shape[-2], device=q.device)
-        mask = window_mask(queries, self._slots, window)
+        mask = window_mask(queries, self._slots, layer_window)
         k_t = self._keys[layer].data  # [B, Hkv, D, capacity]: the key-major store itself
         return attention_with_probs(q, k_t, self._values[layer].read(self.capacity), mask)[0]
 
