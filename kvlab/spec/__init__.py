@@ -18,6 +18,7 @@ _EXPORTS: dict[str, str] = {
     "ModelConfig": "kvlab.spec.config",
     "PublishedDecode": "kvlab.spec.published",
     "QUANTIZED_BYTES_PER_PARAM": "kvlab.spec.published",
+    "SinksAndWindow": "kvlab.spec.keep",
     "WEIGHT_COMPONENTS": "kvlab.spec.config",
     "bandwidth_fraction_range": "kvlab.spec.published",
     "canonical_dtype": "kvlab.spec.dtypes",
