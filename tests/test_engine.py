@@ -12,7 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab.cache.storage.paged import PagedKVCache
-from kvlab.engine.engine import Engine, ModelCall, Request, RunReport, SimulatedClock
+from kvlab.engine.clock import SimulatedClock
+from kvlab.engine.engine import Engine
+from kvlab.engine.request import Request, RunReport
+from kvlab.engine.scheduler import ModelCall
 from kvlab.model.decoder import Decoder
 from kvlab.roofline import active_params, kv_bytes_per_step, kv_bytes_per_token, weight_bytes_read
 

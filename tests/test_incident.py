@@ -1,4 +1,5 @@
-"""The capstone's replay: the engine's closed loop, the stand-in model, the pool, the cap, the passkeys, the checks."""
+"""The capstone's replay: the engine's closed loop, the model-free replay at scale, the pool, the cap, the passkeys,
+the checks."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from kvlab.course.incident import (
     ChatTrace,
     ChatTurn,
     Fix,
-    ScriptedModel,
     TraceSession,
     TraceShape,
     at_scale,
@@ -130,11 +130,12 @@ def test_fix_refuses_bad_levers_naming_them():
     # A few sinks stay whole; thousands are a share of the chat, scaled like the window.
     assert [Fix(window=1024, sinks=s).scaled(80, 8192).sinks for s in (0, 2, 4, 80, 4096)] == [0, 2, 4, 4, 51]
     with pytest.raises(ValueError, match="session_cap"):
-        replay(chat_trace(SHAPE, 0), Fix(session_cap=40), ScriptedModel(), n_blocks=64)
+        replay(chat_trace(SHAPE, 0), Fix(session_cap=40), None, n_blocks=64)
 
 
-def test_scripted_replay_runs_the_engines_bookkeeping():
-    """The stand-in model claims the slots a model would: prefix hits, a cap's dropped turns, a deterministic clock."""
+def test_model_free_replay_runs_the_engines_bookkeeping():
+    """With no model, the scheduler claims the blocks a model's run would: prefix hits, a cap's dropped turns, a
+    deterministic clock."""
     trace = ChatTrace(
         tuple(range(64)),
         tuple(TraceSession(0.01 * s, tuple(ChatTurn(tuple(range(100 + s, 164 + s)), 8, 0.5) for _ in range(4)))

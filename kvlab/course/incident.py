@@ -10,9 +10,10 @@ a session cap (``kvlab.measure.session.turns_to_drop``, the rule ``kvlab.measure
 The same trace plays at two scales, through the same engine:
 
 - **At scale** (``at_scale``): a real model on a GPU, timed by ``SimulatedClock`` from the bytes and FLOPs each
-  call reads and computes. ``ScriptedModel`` stands in for the model: it does the engine's bookkeeping (blocks,
-  prefix hashes, preemption) on a pool that allocates nothing, and computes nothing, so chats past 30k tokens
-  replay in seconds. The pool holds what the GPU's memory holds beside the weights (``pool_tokens``).
+  call reads and computes. No model runs: the engine's scheduler alone plans every step (blocks, prefix hashes,
+  preemption) and builds no tensor, so chats past 30k tokens replay in seconds. Each reply is a run of the
+  engine's ``PLACEHOLDER_TOKEN`` (prefix hashes still tell sessions apart: a block's hash covers everything before
+  it). The pool holds what the GPU's memory holds beside the weights (``pool_tokens``).
 - **On the checkpoint** (``quality``): the shipped ``kvlab-tiny-stdlib`` on this CPU, real clock, the chats shrunk by
   ``SCALE`` into the 512 tokens it was trained on (the fix's window and cap shrink with them), with a passkey
   planted ``horizon`` tokens before the last turn, which asks for it. Recall says what the fix forgot; perplexity
@@ -32,16 +33,17 @@ from functools import lru_cache, partial
 
 import torch
 
-from kvlab.cache.base import KVCache
 from kvlab.cache.policy.window import WindowKVCache
 from kvlab.course.disk_memo import remembered
-from kvlab.engine.engine import Clock, Engine, Request, RunReport, SimulatedClock
+from kvlab.engine.clock import Clock, SimulatedClock
+from kvlab.engine.engine import Engine
+from kvlab.engine.request import Request, RunReport
 from kvlab.measure.quality import default_cache, perplexity
 from kvlab.measure.session import turns_to_drop
 from kvlab.metrics import latency_summaries
 from kvlab.model.decoder import Decoder
 from kvlab.model.pretrained import heldout_tokens, load_pretrained
-from kvlab.model.tokenizer import ASK, N_PASSKEYS, PASSKEY_BASE, VOCAB_SIZE
+from kvlab.model.tokenizer import ASK, N_PASSKEYS, PASSKEY_BASE
 from kvlab.roofline import kv_bytes_per_token, weight_bytes
 from kvlab.spec.config import ModelConfig
 from kvlab.spec.dtypes import KV_DTYPES, canonical_dtype
@@ -264,7 +266,7 @@ class Replay:
 def replay(
     trace: ChatTrace,
     fix: Fix,
-    model: Decoder | ScriptedModel,
+    model: Decoder | None,
     *,
     n_blocks: int,
     block_size: int = BLOCK_SIZE,
@@ -272,7 +274,8 @@ def replay(
     max_batch: int = 32,
     token_budget: int = 2048,
 ) -> Replay:
-    """Play ``trace`` through an ``Engine`` over ``model`` with ``fix``'s levers (module docstring)."""
+    """Play ``trace`` through an ``Engine`` over ``model`` (None: no model, with a ``SimulatedClock``) with ``fix``'s
+    levers (module docstring)."""
     if not isinstance(fix, Fix):
         raise ValueError(f"fix: {fix!r}; allowed: a kvlab.course.incident.Fix")
     if fix.session_cap is not None:
@@ -323,30 +326,6 @@ def replay(
     return Replay(report, tuple(records), fix)
 
 
-class ScriptedModel:
-    """A stand-in for a model behind the engine: it claims cache slots as a model would and computes nothing.
-
-    The engine's bookkeeping runs in full (blocks, prefix hits, preemption); the time comes from the clock, a
-    ``SimulatedClock`` of the real model. The pool's storage is shaped by ``cfg``, a model of one layer with one
-    narrow bf16 KV head, so a pool with an H100's count of blocks takes tens of MB. Every reply token is id 0 (a
-    chat's replies are runs of one token; prefix hashes still tell sessions apart, since a block's hash covers
-    everything before it).
-    """
-
-    device = torch.device("cpu")
-    cfg = ModelConfig(
-        n_layers=1, d_model=32, n_heads=1, n_kv_heads=1, d_ff=32, vocab_size=VOCAB_SIZE, dtype="bf16", name="scripted"
-    )
-
-    def prefill(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        cache.reserve(tokens.shape[1])
-        return torch.zeros(tokens.shape[0], tokens.shape[1], 1)
-
-    def decode_step(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        cache.reserve(1)
-        return torch.zeros(tokens.shape[0], 1)
-
-
 def pool_tokens(cfg: ModelConfig, gpu: str | GPU, kv_dtype: str | None = None, utilization: float = 0.9) -> int:
     """Tokens of KV a GPU holds beside the weights: ``utilization`` of its memory (vLLM's
     ``gpu_memory_utilization``, default 0.9) less ``weight_bytes(cfg)``, over ``kv_bytes_per_token(cfg, kv_dtype)``,
@@ -372,13 +351,13 @@ def at_scale(
     max_batch: int = 32,
     token_budget: int = 512,
 ) -> Replay:
-    """``trace`` replayed for ``cfg`` on ``gpu`` (simulated clock, ``ScriptedModel``, a pool of ``pool_tokens``)."""
+    """``trace`` replayed for ``cfg`` on ``gpu`` (simulated clock, no model, a pool of ``pool_tokens``)."""
     clock = SimulatedClock.for_gpu(cfg, gpu, fix.kv_dtype, fix.window, fix.sinks)
     n_blocks = pool_tokens(cfg, gpu, fix.kv_dtype, utilization) // BLOCK_SIZE_AT_SCALE
     return replay(
         trace,
         fix,
-        ScriptedModel(),
+        None,
         n_blocks=n_blocks,
         block_size=BLOCK_SIZE_AT_SCALE,
         clock=clock,
