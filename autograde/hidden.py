@@ -26,7 +26,7 @@ from kvlab.course import (
     lesson10_speculative_decoding,
     lesson11_capstone_incident,
 )
-from kvlab.engine.engine import Engine, Request, RequestResult, RunReport, SimulatedClock
+from kvlab.engine import Engine, Request, RequestResult, RunReport, SimulatedClock
 from kvlab.metrics import RequestTiming
 from kvlab.model.decoder import Decoder
 from kvlab.roofline import kv_bytes_per_token, weight_bytes

@@ -23,7 +23,7 @@ import math
 import torch
 
 import kvlab
-from kvlab.engine.engine import Engine, Request, RunReport, SimulatedClock
+from kvlab.engine import Engine, Request, RunReport, SimulatedClock
 from kvlab.machine.timing import machine_info, measure_bandwidth, measure_matmul_flops
 from kvlab.metrics import percentile
 from kvlab.model.decoder import Decoder

@@ -612,7 +612,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """``kvlab serve --model NAME``: the engine behind an OpenAI-compatible API (``kvlab.serving.server``)."""
-    from kvlab.engine.engine import Engine
+    from kvlab.engine import Engine
     from kvlab.serving.server import Server, load_model, run_server
 
     port = _count(args.port, "--port")

@@ -11,7 +11,7 @@ import pytest
 from autograde import hidden
 from kvlab import checks, get_model, roofline
 from kvlab.course import lesson04_batching
-from kvlab.engine.engine import Engine, Request, RequestResult, RunReport
+from kvlab.engine import Engine, Request, RequestResult, RunReport
 from kvlab.metrics import fit_line, percentile
 from kvlab.model.decoder import Decoder
 from tests.helpers import assert_fails, assert_silent

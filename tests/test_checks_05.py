@@ -12,7 +12,7 @@ import pytest
 from autograde import hidden
 from kvlab import Decoder, checks
 from kvlab.course import lesson05_prefix_caching as l05
-from kvlab.engine.engine import Engine, Request, RequestResult, RunReport
+from kvlab.engine import Engine, Request, RequestResult, RunReport
 from kvlab.metrics import RequestTiming
 from tests.helpers import assert_fails, assert_silent
 

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab.cache.storage.paged import PagedKVCache
+from kvlab.engine import Engine
 from kvlab.engine.clock import SimulatedClock
-from kvlab.engine.engine import Engine
 from kvlab.engine.request import Request, RunReport
 from kvlab.engine.scheduler import ModelCall
 from kvlab.model.decoder import Decoder

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.engine.engine import Engine, Request
+from kvlab.engine import Engine, Request
 from kvlab.model.decoder import Decoder
 from kvlab.model.sampling import SamplingParams
 

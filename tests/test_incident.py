@@ -25,7 +25,7 @@ from kvlab.course.incident import (
     replay,
     with_passkeys,
 )
-from kvlab.engine.engine import Engine, Request
+from kvlab.engine import Engine, Request
 from kvlab.measure.session import turns_to_drop
 from kvlab.model.decoder import Decoder
 from kvlab.model.pretrained import load_pretrained

@@ -40,8 +40,18 @@ LEVELS: tuple[tuple[str, ...], ...] = (
     ("kvlab.cli",),
 )
 TORCH_FREE_LEVELS = 2  # the arithmetic: `kvlab predict` and the byte model never wait for torch
-# Modules above those levels that must load no torch either: a client for someone else's server.
-TORCH_FREE = {"kvlab.serving", "kvlab.serving.client", "kvlab.report", "kvlab.report.build", "kvlab.report.render"}
+# Modules above those levels that must load no torch either: a client for someone else's server, the report, and
+# the engine's planning half.
+TORCH_FREE = {
+    "kvlab.engine",
+    "kvlab.engine.clock",
+    "kvlab.engine.scheduler",  # the capstone replays at scale on these two alone
+    "kvlab.report",
+    "kvlab.report.build",
+    "kvlab.report.render",
+    "kvlab.serving",
+    "kvlab.serving.client",
+}
 OPTIONAL = {"kvlab.kernels.triton": "triton"}  # modules of an extra (kvlab[gpu]): the package each needs
 
 

@@ -18,7 +18,7 @@ import torch
 import uvicorn
 
 from kvlab.cli import main
-from kvlab.engine.engine import Engine
+from kvlab.engine import Engine
 from kvlab.model.decoder import Decoder
 from kvlab.model.tokenizer import VOCAB_SIZE, encode
 from kvlab.serving.server import Server, TextStream, decode_text, encode_text

@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from kvlab.engine.engine import Engine
+from kvlab.engine import Engine
 from kvlab.model.decoder import Decoder
 from kvlab.model.tokenizer import encode
 from kvlab.serving.server import Server, StopText, decode_text, token_text

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from kvlab.engine.engine import Engine
+from kvlab.engine import Engine
 from kvlab.model.decoder import Decoder
 from kvlab.serving.server import Server
 

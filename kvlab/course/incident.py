@@ -35,8 +35,8 @@ import torch
 
 from kvlab.cache.policy.window import WindowKVCache
 from kvlab.course.disk_memo import remembered
+from kvlab.engine import Engine
 from kvlab.engine.clock import Clock, SimulatedClock
-from kvlab.engine.engine import Engine
 from kvlab.engine.request import Request, RunReport
 from kvlab.measure.quality import default_cache, perplexity
 from kvlab.measure.session import turns_to_drop

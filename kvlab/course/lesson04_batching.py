@@ -12,7 +12,7 @@ import torch
 
 from kvlab.course.grading import FLOOR, _call, _close, _exact_int, _exact_ints, _fail, _label
 from kvlab.course.measured import Reading, reading, tell
-from kvlab.engine.engine import Engine, Request, RequestResult, RunReport
+from kvlab.engine import Engine, Request, RequestResult, RunReport
 from kvlab.metrics import RequestTiming, fit_line, percentile
 from kvlab.model.decoder import Decoder
 from kvlab.roofline import kv_bytes_per_step, kv_bytes_per_token, weight_bytes, weight_bytes_read

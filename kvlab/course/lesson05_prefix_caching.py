@@ -24,7 +24,7 @@ from kvlab.cache.storage.shared_prefix import SharedPrefixKVCache
 from kvlab.cache.storage.slab import ContiguousKVCache
 from kvlab.course.grading import _call, _close, _exact_int, _fail, _is_int
 from kvlab.course.measured import Reading, reading, tell
-from kvlab.engine.engine import Engine, Request, RunReport
+from kvlab.engine import Engine, Request, RunReport
 from kvlab.metrics import fit_line
 from kvlab.model.decoder import Decoder
 from kvlab.spec.config import ModelConfig

@@ -1,22 +1,34 @@
 """Serving one model: a continuous-batching ``Engine`` over the paged cache (requests in, tokens and vLLM's latencies
-out), on a real clock or a ``SimulatedClock`` that charges each step the byte model's time; a decode step replayed as
+out) as nano-vllm and vLLM v1 lay it out: a ``Scheduler`` that plans each step on the block pool with integers only,
+a ``Runner`` that executes the plan on the model, and a clock, real or a ``SimulatedClock`` that charges each step
+the byte model's time (the capstone replays at scale with no model at all); a decode step replayed as
 a CUDA graph (``GraphedDecodeStep``); speculative decoding (draft model or prompt lookup, verify, rollback)."""
 
 from kvlab._lazy import lazy_exports
 
 # public name -> the module that defines it
 _EXPORTS: dict[str, str] = {
-    "Clock": "kvlab.engine.engine",
+    "Admit": "kvlab.engine.scheduler",
+    "Clock": "kvlab.engine.clock",
     "Engine": "kvlab.engine.engine",
+    "FollowUp": "kvlab.engine.engine",
+    "Free": "kvlab.engine.scheduler",
     "GraphedDecodeStep": "kvlab.engine.cuda_graphs",
-    "ModelCall": "kvlab.engine.engine",
-    "OnToken": "kvlab.engine.engine",
+    "ModelCall": "kvlab.engine.scheduler",
+    "OnToken": "kvlab.engine.request",
+    "PLACEHOLDER_TOKEN": "kvlab.engine.engine",
     "PROMPT_LOOKUP": "kvlab.engine.speculative",
-    "Request": "kvlab.engine.engine",
-    "RequestResult": "kvlab.engine.engine",
-    "RunReport": "kvlab.engine.engine",
-    "SimulatedClock": "kvlab.engine.engine",
+    "RealClock": "kvlab.engine.clock",
+    "Request": "kvlab.engine.request",
+    "RequestHandle": "kvlab.engine.request",
+    "RequestResult": "kvlab.engine.request",
+    "RunReport": "kvlab.engine.request",
+    "Runner": "kvlab.engine.runner",
+    "ScheduledCall": "kvlab.engine.scheduler",
+    "Scheduler": "kvlab.engine.scheduler",
+    "SimulatedClock": "kvlab.engine.clock",
     "SpeculativeResult": "kvlab.engine.speculative",
+    "StepPlan": "kvlab.engine.scheduler",
     "accept_greedy": "kvlab.engine.speculative",
     "inflate_mlp": "kvlab.engine.speculative",
     "prompt_lookup": "kvlab.engine.speculative",

@@ -54,7 +54,7 @@ from kvlab.cache.storage.paged import PagedKVCache
 from kvlab.engine.clock import Clock, RealClock, SimulatedClock
 from kvlab.engine.request import OnToken, Request, RequestHandle, RequestResult, RunReport
 from kvlab.engine.runner import Runner
-from kvlab.engine.scheduler import ModelCall, Scheduler
+from kvlab.engine.scheduler import Scheduler
 from kvlab.machine.timing import Stopwatch
 from kvlab.metrics import RequestTiming
 from kvlab.model.decoder import Decoder
@@ -63,19 +63,6 @@ from kvlab.spec.validation import require_int
 
 # What this path offered before the split, which lessons 04, 05 and 11 still import from it (kvlab.engine's package
 # surface is to replace it).
-__all__ = [
-    "Clock",
-    "Engine",
-    "FollowUp",
-    "ModelCall",
-    "OnToken",
-    "PLACEHOLDER_TOKEN",
-    "Request",
-    "RequestHandle",
-    "RequestResult",
-    "RunReport",
-    "SimulatedClock",
-]
 
 FollowUp = Callable[[int, list[int], float], Sequence[Request]]  # Engine.run's closed loop: (index, ids, s)
 PLACEHOLDER_TOKEN = 0  # what a run with no model samples: a chat's replies are runs of it, their lengths known

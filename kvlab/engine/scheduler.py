@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvlab.spec.keep import SinksAndWindow, blocks_inside
 from kvlab.spec.validation import require_int
 
 if TYPE_CHECKING:
@@ -105,14 +106,9 @@ class Scheduler:
         require_int("token_budget", token_budget)
         if not isinstance(prefix_caching, bool):
             raise ValueError(f"prefix_caching: {prefix_caching!r}; allowed: True or False")
-        if window is not None:
-            require_int("window", window, 1)
-        require_int("sinks", sinks, 0)
-        if sinks and window is None:
-            raise ValueError(f"sinks: {sinks} without a window; allowed: 0, or give window (an integer >= 1) too")
         self.pool = pool
         self.max_batch, self.token_budget, self.prefix_caching = max_batch, token_budget, prefix_caching
-        self.window, self.sinks = window, sinks
+        self.keep = SinksAndWindow(window, sinks)  # the rule PagedKVCache and the byte model apply too
         self.waiting: deque[RequestHandle] = deque()  # preempted requests wait at the front
         self.running: list[RequestHandle] = []  # admission order: the last is the newest, preempted first
         self._ops: list[Admit | Free | ScheduledCall] = []  # frees made between steps, the next plan's first ops
@@ -278,15 +274,14 @@ class Scheduler:
         blocks, before the block holding the oldest token the first new query's window reaches). The first new
         token sits at the sequence's length; the ones before the newest evicted block went back on earlier calls
         (holes), unless the sequence began with prefix hits, which this walk back then releases too."""
-        if self.window is None:
+        if self.keep.window is None:
             return
-        first_kept = math.ceil(self.sinks / self.block_size)
         for seq_id in seq_ids:
             table, n = self.pool.block_table(seq_id), self.pool.length(seq_id)
-            index = max(0, n + 1 - self.window) // self.block_size - 1
-            while index >= first_kept and table[index] != _HOLE:
+            for index in reversed(blocks_inside(self.keep.gone(n), self.block_size)):
+                if table[index] == _HOLE:
+                    break
                 self.pool.release_block(seq_id, index)
-                index -= 1
 
     def _free(self, seq_id: int, ops: list[Admit | Free | ScheduledCall]) -> None:
         self.pool.free(seq_id)

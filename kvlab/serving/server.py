@@ -74,7 +74,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from kvlab.engine.engine import Engine, OnToken, Request
+from kvlab.engine import Engine, OnToken, Request
 from kvlab.model.decoder import Decoder
 from kvlab.model.sampling import SamplingParams, TokenLogprobs
 from kvlab.model.tokenizer import EOT, VOCAB_SIZE, decode, encode
