@@ -44,9 +44,9 @@ import torch.nn.functional as F
 
 from kvlab import Decoder, get_model
 from kvlab.cache import CacheShape, ContiguousKVCache, KVCache, PagedKVCache
-from kvlab.cache.codec.stores import fused_kernels
 from kvlab.cache.storage.slab import StaticKVCache
 from kvlab.engine.cuda_graphs import GraphedDecodeStep
+from kvlab.kernels.fused import fused_kernels
 from kvlab.machine.timing import Bandwidth, bandwidth_buffer_mb, cpu_name, machine_info, measure_bandwidth, time_call
 from kvlab.measure.sweep import sweep_context
 from kvlab.metrics import fit_line

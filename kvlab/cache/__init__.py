@@ -38,7 +38,6 @@ _EXPORTS: dict[str, str] = {
     "WindowKVCache": "kvlab.cache.policy.window",
     "codec_error": "kvlab.cache.codec.kivi",
     "default_cache": "kvlab.cache.base",
-    "fused_kernels": "kvlab.cache.codec.stores",
     "get_codec": "kvlab.cache.codec.codecs",
     "int_tuple": "kvlab.cache.storage.block_pool",
 }

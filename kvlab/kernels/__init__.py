@@ -7,6 +7,7 @@ from kvlab._lazy import lazy_exports
 
 # public name -> the module that defines it
 _EXPORTS: dict[str, str] = {
+    "fused_kernels": "kvlab.kernels.fused",
     "MAX_SCORES": "kvlab.kernels.reference",
     "attend_slab": "kvlab.kernels.reference",
     "attention_with_probs": "kvlab.kernels.reference",

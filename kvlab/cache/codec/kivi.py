@@ -50,7 +50,7 @@ import torch
 
 from kvlab.cache.base import CacheShape, Rotate, SlabKVCache, refuse_latent, refuse_window
 from kvlab.cache.codec.codecs import Codec, Encoded, IntCodec, get_codec
-from kvlab.cache.codec.stores import fused_kernels
+from kvlab.kernels.fused import fused_kernels
 from kvlab.kernels.int8 import folded_value_product, int8_key_scores
 from kvlab.kernels.reference import (
     attend_slab,

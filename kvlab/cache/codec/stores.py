@@ -21,13 +21,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from types import ModuleType
 from typing import Any
 
 import torch
 
 from kvlab.cache.base import FLOAT_DTYPES
 from kvlab.cache.codec.codecs import Encoded, get_codec
+from kvlab.kernels.fused import fused_kernels
 from kvlab.kernels.reference import attend_slab, online_softmax_attention
 from kvlab.spec.dtypes import to_torch
 
@@ -255,18 +255,6 @@ def make_store(
     if codec in FLOAT_DTYPES:
         return FloatStore(lead, slots, dim, dtype, device, to_torch(codec), key_major)
     return EncodedStore(lead, slots, dim, dtype, device, codec, group_size)
-
-
-def fused_kernels(device: torch.device) -> ModuleType | None:
-    """``kvlab.kernels.triton`` where its decode kernels run on ``device`` (CUDA, with ``kvlab[gpu]`` installed),
-    else ``None``. Only CUDA: on the CPU the torch kernels are the reference, and stay the path taken."""
-    if device.type != "cuda":
-        return None
-    try:
-        from kvlab.kernels import triton as fused
-    except ImportError:
-        return None
-    return fused if fused.available(device) else None
 
 
 def attend_stores(

@@ -66,9 +66,10 @@ from collections.abc import Sequence
 import torch
 
 from kvlab.cache.base import CacheCapacityError, CacheShape, KVCache, Rotate, kv_codec, refuse_latent
-from kvlab.cache.codec.stores import fused_kernels, make_store
+from kvlab.cache.codec.stores import make_store
 from kvlab.cache.policy.keep import KeepPolicy, positions_of
 from kvlab.cache.storage.block_pool import HOLE, BlockPool, int_tuple, shared_prefix_blocks
+from kvlab.kernels.fused import fused_kernels
 from kvlab.kernels.reference import (
     MAX_SCORES,
     attend_slab,

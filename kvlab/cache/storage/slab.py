@@ -16,7 +16,8 @@ from kvlab.cache.base import (
     kv_codec,
     refuse_latent,
 )
-from kvlab.cache.codec.stores import Store, attend_stores, fused_kernels, make_store
+from kvlab.cache.codec.stores import Store, attend_stores, make_store
+from kvlab.kernels.fused import fused_kernels
 from kvlab.kernels.reference import attention_with_probs, window_mask
 from kvlab.spec.validation import require_int
 
