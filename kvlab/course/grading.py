@@ -1,5 +1,6 @@
 """What every lesson's checkers share: quick mode, the lesson setup, calling the learner's function, comparing its
-answer and wording the failure. (Measuring again until a timing is readable is ``kvlab.course.measured``'s.)
+answer, wording the failure, and checking sweeps timed together and the ratios of their slopes. (Measuring again
+until a timing is readable is ``kvlab.course.measured``'s.)
 
 A wrong answer raises ``AssertionError`` whose message names the quantity, the form expected (units, an integer
 number of bytes, ...) and what to fix. Exact arithmetic is compared exactly, against ``kvlab``'s own functions.
@@ -39,12 +40,9 @@ def quick_mode(env: Mapping[str, str] | None = None) -> bool:
 def setup_lesson(seed: int = 0) -> bool:
     """What every lesson's setup cell does; returns whether quick mode is on.
 
-    - torch runs on one thread, unless ``OMP_NUM_THREADS`` asks for more outside quick mode. When a machine's cores
-      are shared, a multi-threaded operation waits for its slowest thread. Measured on a 2-core AMD EPYC that other
-      jobs kept busy (load average 4 to 5), alternating 1 and 2 threads: a cpu-tiny decode step at 1,024 tokens took
-      1.75 to 47 times as long on 2 threads (median of 30 steps, 8 rounds), a cpu-small step at 4,096 tokens 2.0 to
-      11 times (5 rounds). One thread is slower on an idle machine but steady on a busy one, and every prediction
-      uses a bandwidth measured with the same threads.
+    - torch runs on one thread, unless ``OMP_NUM_THREADS`` asks for more outside quick mode: on shared cores a
+      multi-threaded step waits for its slowest thread (measured in ``docs/cpu_performance.md``, section A, "One
+      thread for the lessons"), and every prediction uses a bandwidth measured with the same threads.
     - Under nbgrader, warnings are silenced (a test cell that writes anything to stderr scores zero), and
       tracebacks shrink to their last line (a full one would quote the hidden test code into the feedback).
     - torch is seeded, so a notebook's random inputs repeat from run to run.
