@@ -395,10 +395,10 @@ check_largest_distance = _hidden(lesson07_window_sinks.check_largest_distance)
 CASES.update(
     {
         "check_h2o_keep": (
-            lesson08_heavy_hitters._random_case(30, 8, 4, seed=101, ties=True),
-            lesson08_heavy_hitters._random_case(15, 0, 5, seed=102),
-            lesson08_heavy_hitters._random_case(5, 8, 2, seed=103),
-            lesson08_heavy_hitters._random_case(64, 16, 1, seed=104, ties=True),
+            lesson08_heavy_hitters.random_case(30, 8, 4, seed=101, ties=True),
+            lesson08_heavy_hitters.random_case(15, 0, 5, seed=102),
+            lesson08_heavy_hitters.random_case(5, 8, 2, seed=103),
+            lesson08_heavy_hitters.random_case(64, 16, 1, seed=104, ties=True),
         ),
         "check_h2o_bytes_per_step": (
             (_GQA.replace(dtype="bf16"), 300, 200, 100, 5),
@@ -406,16 +406,16 @@ CASES.update(
             (_WIDE_HEADS, 7, 3, 2, 1),
         ),
         "check_passkey_rank": (
-            lesson08_heavy_hitters._rank_case(40, 17, seed=111, ties=True),
-            lesson08_heavy_hitters._rank_case(7, 6, seed=112),
+            lesson08_heavy_hitters.rank_case(40, 17, seed=111, ties=True),
+            lesson08_heavy_hitters.rank_case(7, 6, seed=112),
         ),
         "check_break_even_steps": (
             (lesson08_heavy_hitters.Rebuild("cap", 3, 5000, 1234, 100, 1234 * 2048, 3766 * 2048, 0.0421), 900.0),
             (lesson08_heavy_hitters.Rebuild("compaction", 1, 77, 50, 50, 50 * 64, 27 * 64, 0.0005), 1.5),
         ),
         "check_chat_time": (
-            lesson08_heavy_hitters._made_up_turns(5, seed=121, rebuild_every=1),
-            lesson08_heavy_hitters._made_up_turns(8, seed=122, rebuild_every=3),
+            lesson08_heavy_hitters.made_up_turns(5, seed=121, rebuild_every=1),
+            lesson08_heavy_hitters.made_up_turns(8, seed=122, rebuild_every=3),
         ),
     }
 )
@@ -462,9 +462,9 @@ CASES.update(
             (get_model("qwen3-8b"), 4096, 1008.0),
         ),
         "check_kivi_error": (
-            lesson09_kv_quantization._error_case(31, (1, 1, 4, 320, 64), 3, 32, "per-channel"),
-            lesson09_kv_quantization._error_case(32, (2, 2, 2, 96, 48), 4, 16, "per-token"),
-            lesson09_kv_quantization._error_case(33, (1, 2, 2, 128, 32), 6, 32, "per-channel"),
+            lesson09_kv_quantization.error_case(31, (1, 1, 4, 320, 64), 3, 32, "per-channel"),
+            lesson09_kv_quantization.error_case(32, (2, 2, 2, 96, 48), 4, 16, "per-token"),
+            lesson09_kv_quantization.error_case(33, (1, 2, 2, 128, 32), 6, 32, "per-channel"),
         ),
     }
 )

@@ -161,8 +161,8 @@ def test_non_finite_answer_is_told_so():
 
 
 def test_helpers_keep_ratio_hints_out_of_hidden_messages():
-    assert grading._hint(2.0, 1.0, reveal=False, unit="ms", slips=((2.0, "named"),)) == ""
-    assert grading._hint(3.0, 1.0, reveal=True, unit="ms") == ""
+    assert grading.hint(2.0, 1.0, reveal=False, unit="ms", slips=((2.0, "named"),)) == ""
+    assert grading.hint(3.0, 1.0, reveal=True, unit="ms") == ""
 
 
 # -- the error audit: a function, re-run on models the lesson does not show --------------------------------------

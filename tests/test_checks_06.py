@@ -4,6 +4,8 @@ names the fix, hidden checks withhold the expected value, and the measured check
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from autograde import hidden
@@ -167,6 +169,19 @@ def test_layout_ratios_need_one_bandwidth_measurement():
     other = Bandwidth("cpu", 64.0, 10.0, 10.0, 11.0, 11.0, threads=1)
     sweeps[1] = fake_sweep(PLAUSIBLE[1], 1024.0, other)
     assert_fails(checks.check_layout_ratios, ratios_of(sweeps), sweeps, match="one Bandwidth object")
+
+
+def test_layout_ratios_need_one_list_of_contexts():
+    sweeps = layout_sweeps(PLAUSIBLE)
+    sweeps[1] = dataclasses.replace(sweeps[1], points=sweeps[1].points[:3])
+    message = assert_fails(checks.check_layout_ratios, ratios_of(sweeps), sweeps, match=r"sweeps\[1\] contexts")
+    assert "sweeps[8]'s contexts [1024, 2048, 4096, 8192]" in message and "Sweep one list of contexts" in message
+
+
+def test_layout_ratios_name_divided_intercepts():
+    sweeps = layout_sweeps(PLAUSIBLE)
+    intercepts = {h: s.fit.intercept / sweeps[8].fit.intercept for h, s in sweeps.items()}
+    assert_fails(checks.check_layout_ratios, intercepts, sweeps, match="divides the intercepts")
 
 
 def not_seen_note(capsys) -> str:

@@ -55,7 +55,7 @@ def score_cache() -> HeavyHitterKVCache:
     return cache
 
 
-MEASURED = {"uncapped": lesson08._made_up_turns(4, seed=5, rebuild_every=9), "capped": lesson08._made_up_turns(4, 6, 1)}
+MEASURED = {"uncapped": lesson08.made_up_turns(4, seed=5, rebuild_every=9), "capped": lesson08.made_up_turns(4, 6, 1)}
 
 FUNCTIONS = [
     (checks.check_h2o_keep, hidden.check_h2o_keep, h2o_keep),

@@ -399,7 +399,7 @@ def test_kivi_error_slips_are_named():
 
 def test_per_channel_keys_win_on_outlier_channels():
     # The reason for KIVI's key grouping, on the checks' own data: two key channels 12x the others.
-    q, k, v, bits, g, _ = lesson09._error_case(10, (1, 2, 2, 256, 64), 4, 32, "per-channel")
+    q, k, v, bits, g, _ = lesson09.error_case(10, (1, 2, 2, 256, 64), 4, 32, "per-channel")
     assert kivi_error(q, k, v, bits, g, "per-channel") < 0.7 * kivi_error(q, k, v, bits, g, "per-token")
 
 

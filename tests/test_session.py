@@ -128,13 +128,13 @@ def test_break_even_steps_is_rebuild_time_over_time_saved_per_step():
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda m: ChatSession(m, SYSTEM, cap=5), r"cap: 5 .*allowed: an integer above the system prompt's 5"),
+        (lambda m: ChatSession(m, SYSTEM, cap=5), r"cap: 5 .*: an integer >= 6 \(above the system prompt's 5 tokens\)"),
         (lambda m: ChatSession(m, [1, 200]), r"system: .*allowed: zero or more token ids in 0 \.\. 96"),
         (lambda m: ChatSession(m, SYSTEM).turn([], 2), r"user: \(\) .*allowed: one or more token ids"),
-        (lambda m: ChatSession(m, SYSTEM).turn([1], -1), r"reply: -1; allowed"),
+        (lambda m: ChatSession(m, SYSTEM).turn([1], -1), r"reply: -1 .*: an integer >= 0 \(a number of tokens"),
         (lambda m: ChatSession(m, SYSTEM).turn([1], [1.5]), r"reply: .*allowed"),
         (lambda m: ChatSession(m, SYSTEM, cap=12).turn(list(range(6)), 3), r"cap: 12 .*allowed: a cap >= 14"),
-        (lambda m: ChatSession(m, SYSTEM).compact([1], keep_last_turns=1), r"keep_last_turns: 1; allowed: .* 0 to 0"),
+        (lambda m: ChatSession(m, SYSTEM).compact([1], keep_last_turns=1), r"keep_last_turns: 1 .*in \[0, 0\]"),
         (lambda m: ChatSession(m, SYSTEM, cap=8).compact([1, 2, 3, 4]), r"summary: 4 tokens .*past cap=8"),
     ],
 )

@@ -1,6 +1,7 @@
-"""The course's checkers, one module per lesson (learners import them through ``kvlab.checks``), their shared grading
-helpers, and the capstone incident (``kvlab.course.incident``: a chat service's trace replayed at scale, and the
-fixes a team can ship)."""
+"""The course's checkers, one module per lesson (learners import them through ``kvlab.checks``); what the checkers
+share (``grading``: calling, comparing and wording; ``measured``: measuring again until a timing is readable); and
+the capstone incident (``incident``: a chat service's trace replayed at scale and the fixes a team can ship, its
+replays kept across a grader's kernels by ``disk_memo``)."""
 
 from kvlab._lazy import lazy_exports
 

@@ -1,5 +1,6 @@
 """What every lesson's checkers share: quick mode, the lesson setup, calling the learner's function, comparing its
-answer and wording the failure. (Measuring again until a timing is readable is ``kvlab.course.measured``'s.)
+answer, wording the failure, and checking sweeps timed together and the ratios of their slopes. (Measuring again
+until a timing is readable is ``kvlab.course.measured``'s.)
 
 A wrong answer raises ``AssertionError`` whose message names the quantity, the form expected (units, an integer
 number of bytes, ...) and what to fix. Exact arithmetic is compared exactly, against ``kvlab``'s own functions.
@@ -39,12 +40,9 @@ def quick_mode(env: Mapping[str, str] | None = None) -> bool:
 def setup_lesson(seed: int = 0) -> bool:
     """What every lesson's setup cell does; returns whether quick mode is on.
 
-    - torch runs on one thread, unless ``OMP_NUM_THREADS`` asks for more outside quick mode. When a machine's cores
-      are shared, a multi-threaded operation waits for its slowest thread. Measured on a 2-core AMD EPYC that other
-      jobs kept busy (load average 4 to 5), alternating 1 and 2 threads: a cpu-tiny decode step at 1,024 tokens took
-      1.75 to 47 times as long on 2 threads (median of 30 steps, 8 rounds), a cpu-small step at 4,096 tokens 2.0 to
-      11 times (5 rounds). One thread is slower on an idle machine but steady on a busy one, and every prediction
-      uses a bandwidth measured with the same threads.
+    - torch runs on one thread, unless ``OMP_NUM_THREADS`` asks for more outside quick mode: on shared cores a
+      multi-threaded step waits for its slowest thread (measured in ``docs/cpu_performance.md``, section A, "One
+      thread for the lessons"), and every prediction uses a bandwidth measured with the same threads.
     - Under nbgrader, warnings are silenced (a test cell that writes anything to stderr scores zero), and
       tracebacks shrink to their last line (a full one would quote the hidden test code into the feedback).
     - torch is seeded, so a notebook's random inputs repeat from run to run.
@@ -64,10 +62,10 @@ def setup_lesson(seed: int = 0) -> bool:
 
 
 # -- message helpers ------------------------------------------------------------------------------------------------
-Slips = Sequence[tuple[float, str]]  # (the value a slip produces, the slip named), for _hint
+Slips = Sequence[tuple[float, str]]  # (the value a slip produces, the slip named), for hint
 
 
-def _fail(quantity: str, got: Any, form: str, fix: str, expected: Any = None, reveal: bool = True) -> None:
+def fail(quantity: str, got: Any, form: str, fix: str, expected: Any = None, reveal: bool = True) -> None:
     """Raise the learner's message: what they returned, what was wanted, and what to fix.
 
     Without ``expected``, ``form`` is what was wanted ("a dict with the key 'device'"). With it, ``form`` names
@@ -106,7 +104,7 @@ _FACTOR_TWO: Slips = (
 )
 
 
-def _hint(got: float, want: float, reveal: bool, unit: str = "", slips: Slips = ()) -> str:
+def hint(got: float, want: float, reveal: bool, unit: str = "", slips: Slips = ()) -> str:
     """A sentence naming the slip that explains a wrong value, or "" when none does.
 
     ``slips`` pair a value that a checker recomputed with one named mistake (the query heads in place of the KV
@@ -114,7 +112,7 @@ def _hint(got: float, want: float, reveal: bool, unit: str = "", slips: Slips = 
     better evidence than a ratio, which can have several causes. Then a factor of 2, and the factors of 1000 that
     ``unit`` makes likely. Nothing when ``reveal`` is off: a slip's value or a ratio would give the withheld value away.
     """
-    if not reveal or not want or not _is_real(got):
+    if not reveal or not want or not is_real(got):
         return ""
     # Two slips can give one value (n_heads = 8 x n_kv_heads, and bits for bytes): name only the likeliest, since
     # a second, unrelated cause sends a learner who made the first one looking in the wrong place.
@@ -127,11 +125,11 @@ def _hint(got: float, want: float, reveal: bool, unit: str = "", slips: Slips = 
     return ""
 
 
-def _is_int(x: Any) -> bool:
+def is_int(x: Any) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def _is_real(x: Any) -> bool:
+def is_real(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
@@ -139,19 +137,19 @@ ROUND = "Return an int (round() a fractional count)."
 FLOOR = "Return an int, rounded down (// or math.floor): only whole ones fit."
 
 
-def _exact_int(
+def exact_int(
     quantity: str, got: Any, want: int, unit: str, fix: str, reveal: bool, slips: Slips = (), to_int: str = ROUND
 ) -> None:
     """``got`` must be the int ``want``; ``to_int`` tells a learner who returned a float how to make it one."""
-    if not _is_int(got):
+    if not is_int(got):
         kind = type(got).__name__
-        _fail(quantity, got, f"an int number of {unit}, not a {kind}", to_int)
+        fail(quantity, got, f"an int number of {unit}, not a {kind}", to_int)
     if got != want:
-        _fail(quantity, got, f"number of {unit}", fix + _hint(got, want, reveal, unit, slips), want, reveal)
+        fail(quantity, got, f"number of {unit}", fix + hint(got, want, reveal, unit, slips), want, reveal)
 
 
-def _exact_ints(trials: Sequence[tuple[str, Any, int, str, str, bool, Slips, str]]) -> None:
-    """``_exact_int`` over several cases of one exercise, each ``(quantity, got, want, unit, fix, reveal, slips,
+def exact_ints(trials: Sequence[tuple[str, Any, int, str, str, bool, Slips, str]]) -> None:
+    """``exact_int`` over several cases of one exercise, each ``(quantity, got, want, unit, fix, reveal, slips,
     to_int)``, failing on the case that names the slip best.
 
     Two slips can give one value in one case and different values in another (rounding to the nearest and
@@ -163,16 +161,16 @@ def _exact_ints(trials: Sequence[tuple[str, Any, int, str, str, bool, Slips, str
     def clear(slips: Slips) -> Slips:
         return [(v, s) for v, s in slips if not any(math.isclose(v, w) and s != t for w, t in slips)]
 
-    wrong = [t for t in trials if not (_is_int(t[1]) and t[1] == t[2])]
+    wrong = [t for t in trials if not (is_int(t[1]) and t[1] == t[2])]
     if not wrong:
         return
-    mistyped = next((t for t in wrong if not _is_int(t[1])), None)
+    mistyped = next((t for t in wrong if not is_int(t[1])), None)
     named = next((t for t in wrong if any(math.isclose(t[1], v) for v, _ in clear(t[6]))), None)
     quantity, got, want, unit, fix, reveal, slips, to_int = mistyped or named or wrong[0]
-    _exact_int(quantity, got, want, unit, fix, reveal, clear(slips), to_int)
+    exact_int(quantity, got, want, unit, fix, reveal, clear(slips), to_int)
 
 
-def _close(
+def close_to(
     quantity: str,
     got: Any,
     want: float,
@@ -182,15 +180,15 @@ def _close(
     rel: float = REL_TOL,
     slips: Slips = (),
 ) -> None:
-    if not _is_real(got):
-        _fail(quantity, got, f"a number in {unit}, not a {type(got).__name__}", "Return a float.")
+    if not is_real(got):
+        fail(quantity, got, f"a number in {unit}, not a {type(got).__name__}", "Return a float.")
     if not math.isfinite(got):
-        _fail(quantity, got, f"a finite number in {unit}", "Look for a division by zero or an overflow.")
+        fail(quantity, got, f"a finite number in {unit}", "Look for a division by zero or an overflow.")
     if not math.isclose(got, want, rel_tol=rel, abs_tol=1e-12):
-        _fail(quantity, got, f"value in {unit}", fix + _hint(got, want, reveal, unit, slips), want, reveal)
+        fail(quantity, got, f"value in {unit}", fix + hint(got, want, reveal, unit, slips), want, reveal)
 
 
-def _call(quantity: str, fn: Callable, *args: Any) -> Any:
+def call_learner(quantity: str, fn: Callable, *args: Any) -> Any:
     """Call the learner's function; an exception inside it is re-raised with the call that caused it."""
     try:
         return fn(*args)
@@ -200,23 +198,61 @@ def _call(quantity: str, fn: Callable, *args: Any) -> Any:
         raise AssertionError(f"{quantity}: raised {type(e).__name__}: {e}") from e
 
 
-def _label(cfg: ModelConfig) -> str:
+def config_label(cfg: ModelConfig) -> str:
     return f"{cfg.name} ({cfg.attention_kind}, {cfg.n_layers} layers)"
 
 
-def _timed_together(sweeps: Mapping[str, Any], fix: str) -> None:
-    """Each of ``sweeps`` (named as the learner knows it) is a ``kvlab.measure.Sweep``, and all were timed against one
-    ``Bandwidth`` measurement (the same object): a comparison of sweeps is fair only when they shared the machine's
-    state, in one process. ``fix`` says what to pass instead of something that is not a Sweep."""
+def timed_together(sweeps: Mapping[str, Any], fix: str) -> None:
+    """Each of ``sweeps`` (named as the learner knows it) is a ``kvlab.measure.Sweep``, all were timed against one
+    ``Bandwidth`` measurement (the same object) and over the same contexts: a comparison of sweeps is fair only when
+    they shared the machine's state, in one process. ``fix`` says what to pass instead of something not a Sweep."""
     for name, sweep in sweeps.items():
         if not isinstance(sweep, Sweep):
-            _fail(name, type(sweep).__name__, "a kvlab.measure.sweep.Sweep", fix)
+            fail(name, type(sweep).__name__, "a kvlab.measure.sweep.Sweep", fix)
     (first_name, first), *rest = sweeps.items()
+    contexts = [p.context for p in first.points]
     for name, sweep in rest:
         if sweep.bandwidth is not first.bandwidth:
-            _fail(
+            fail(
                 f"{name}.bandwidth",
                 "another measurement",
                 f"one Bandwidth object shared with {first_name}",
                 "Time them interleaved, in this kernel, against one bandwidth measurement.",
             )
+        if [p.context for p in sweep.points] != contexts:
+            got = [p.context for p in sweep.points]
+            fail(f"{name} contexts", got, f"{first_name}'s contexts {contexts}", "Sweep one list of contexts.")
+
+
+def slopes_over(sweeps: Mapping[Any, Sweep], baseline: Any) -> dict[Any, float]:
+    """``{key: sweeps[key]'s fitted slope / sweeps[baseline]'s}``, the baseline's own 1.0 included."""
+    base = sweeps[baseline].fit.slope
+    return {key: sweep.fit.slope / base for key, sweep in sweeps.items()}
+
+
+def check_slope_ratios(
+    name: str, got: Any, sweeps: Mapping[Any, Sweep], baseline: Any, fix: str, each: str, base: str
+) -> None:
+    """``got`` must be ``slopes_over(sweeps, baseline)`` (to 1e-6: the learner divides the same floats), a dict
+    with every key of ``sweeps``. ``fix`` names the exercise; ``each`` and ``base`` name one sweep and the baseline
+    as the lesson does ("layout", "MHA"). The slips named: the ratio inverted, the byte ratio (the prediction) and
+    the intercepts' ratio. Whether the sweeps showed the lesson's effect is the lesson's ``*_reading``'s question."""
+    if not isinstance(got, Mapping) or set(got) != set(sweeps):
+        keys = list(got) if isinstance(got, Mapping) else type(got).__name__
+        own = f"One ratio per {each}, {base}'s own (1.0) included."
+        fail(name, keys, f"a dict with the sweeps' keys {list(sweeps)}", own)
+    ref = sweeps[baseline]
+    for key, ratio in slopes_over(sweeps, baseline).items():
+        sweep = sweeps[key]
+        slips = (
+            (1 / ratio, f"It is inverted: the {each}'s slope over {base}'s, not {base}'s over the {each}'s."),
+            (
+                sweep.kv_bytes_per_token / ref.kv_bytes_per_token,
+                "It is the byte ratio, the prediction: divide the measured slopes (sweep.fit.slope).",
+            ),
+            (
+                sweep.fit.intercept / ref.fit.intercept,
+                "It divides the intercepts: the slope (sweep.fit.slope) is what the KV bytes set.",
+            ),
+        )
+        close_to(f"{name}[{key!r}]", got[key], ratio, "a ratio", fix, True, rel=1e-6, slips=slips)

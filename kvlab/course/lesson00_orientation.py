@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from kvlab.course.grading import _call, _close, _fail, quick_mode
+from kvlab.course.grading import call_learner, close_to, fail, quick_mode
 from kvlab.course.measured import Reading, reading, retake
 from kvlab.machine.timing import Bandwidth, bandwidth_buffer_mb, measure_bandwidth
 from kvlab.roofline import predict_tpot_ms
@@ -53,13 +53,13 @@ def _quick_reason(env: Mapping[str, str]) -> str:
 def check_quick_mode(fn: Callable[[Mapping[str, str]], bool], cases=_QUICK_CASES, reveal: bool = True) -> None:
     """``fn(env)`` -> whether a notebook run with environment ``env`` should use quick mode."""
     for env in cases:
-        got = _call(f"quick_mode({env})", fn, dict(env))
+        got = call_learner(f"quick_mode({env})", fn, dict(env))
         if not isinstance(got, bool):
-            _fail(f"quick_mode({env})", got, f"a bool, not a {type(got).__name__}", "Return True or False.")
+            fail(f"quick_mode({env})", got, f"a bool, not a {type(got).__name__}", "Return True or False.")
         if got != quick_mode(env):
             rule = 'Quick mode is on when KVLAB_QUICK is set to anything but "" or "0", or NBGRADER_EXECUTION is set.'
             fix = _quick_reason(env) if reveal else rule
-            _fail(f"quick_mode({env})", got, "answer", fix, quick_mode(env), reveal)
+            fail(f"quick_mode({env})", got, "answer", fix, quick_mode(env), reveal)
 
 
 _COPY_CASES = ((256e6, 0.02), (1_000_000, 1e-4), (4096, 2.5e-7))
@@ -70,9 +70,9 @@ def check_copy_gbps(fn: Callable[[float, float], float], cases=_COPY_CASES, reve
     for n_bytes, seconds in cases:
         fix = "A copy reads n bytes and writes n bytes; GB/s means 1e9 bytes per second."
         slips = ((n_bytes / seconds / 1e9, "It counts the n bytes once: a copy reads them and also writes them."),)
-        _close(
+        close_to(
             f"copy_gbps({n_bytes:g}, {seconds:g})",
-            _call("copy_gbps", fn, n_bytes, seconds),
+            call_learner("copy_gbps", fn, n_bytes, seconds),
             2 * n_bytes / seconds / 1e9,
             "GB/s",
             fix,
@@ -117,10 +117,10 @@ def check_measured_copy(gbps: float, times_s: Sequence[float], n_bytes: int) -> 
     drops it. The buffer must be at least ``bandwidth_buffer_mb(quick=True)``, twice the last-level cache.
     """
     if len(times_s) < 5:
-        _fail("copy timings", len(times_s), "at least 5 timed repeats", "Time more repeats after the warm-up.")
+        fail("copy timings", len(times_s), "at least 5 timed repeats", "Time more repeats after the warm-up.")
     smallest = bandwidth_buffer_mb(quick=True) * 1e6
     if n_bytes < smallest:
-        _fail(
+        fail(
             "n_bytes",
             n_bytes,
             f"at least {smallest:.0f} bytes, twice this CPU's last-level cache",
@@ -132,9 +132,9 @@ def check_measured_copy(gbps: float, times_s: Sequence[float], n_bytes: int) -> 
         (2 * n_bytes / min(times_s) / 1e9, "It uses the fastest timing: take the median."),
         (own * 1e3, "It is what your timings give if they are in ms: keep times_s in seconds."),
     )
-    _close("my_copy_gbps", gbps, own, "GB/s", "Use copy_gbps(n_bytes, median of your timings).", True, 1e-6, slips)
+    close_to("my_copy_gbps", gbps, own, "GB/s", "Use copy_gbps(n_bytes, median of your timings).", True, 1e-6, slips)
     if _cumulative(times_s):
-        _fail(
+        fail(
             "copy timings",
             [round(t, 6) for t in times_s],
             "one copy's time each",
@@ -147,7 +147,7 @@ def check_measured_copy(gbps: float, times_s: Sequence[float], n_bytes: int) -> 
         lambda: measure_bandwidth("cpu", size_mb=n_bytes / 1e6, repeats=5).copy_gbps, lambda r: _copy_reading(gbps, r)
     )
     if not seen.seen:
-        _fail(
+        fail(
             "my_copy_gbps",
             round(gbps, 2),
             f"within {COPY_BAND}x of kvlab's {ref:.2f} GB/s, measured just now ({seen.takes} times)",
@@ -163,9 +163,9 @@ def check_stream_ms(fn: Callable[[float, float], float], cases=_STREAM_CASES, re
     """``fn(n_bytes, bandwidth_gbps)`` -> ms to stream ``n_bytes`` once at ``bandwidth_gbps``."""
     for n_bytes, gbps in cases:
         fix = "Time = bytes / (GB/s x 1e9) seconds; return milliseconds."
-        _close(
+        close_to(
             f"stream_ms({n_bytes:g}, {gbps:g})",
-            _call("stream_ms", fn, n_bytes, gbps),
+            call_learner("stream_ms", fn, n_bytes, gbps),
             predict_tpot_ms(n_bytes, gbps),
             "ms",
             fix,
@@ -177,21 +177,21 @@ def check_environment_report(report: Mapping[str, Any], bandwidth: Bandwidth) ->
     """The environment report: device, torch threads, and the copy bandwidth kvlab measured in this run."""
     for key in ("device", "threads", "copy_gbps"):
         if key not in report:
-            _fail("report", sorted(report), f"a dict with the key {key!r}", "Add device, threads and copy_gbps.")
+            fail("report", sorted(report), f"a dict with the key {key!r}", "Add device, threads and copy_gbps.")
     if not isinstance(report["device"], str):
         kind = type(report["device"]).__name__
-        _fail("report['device']", report["device"], f"a str, not a {kind}", "Use the string bandwidth.device holds.")
+        fail("report['device']", report["device"], f"a str, not a {kind}", "Use the string bandwidth.device holds.")
     if report["device"] != bandwidth.device:
-        _fail(
+        fail(
             "report['device']",
             report["device"],
             f"the device measured on, {bandwidth.device!r}",
             "Use the device kvlab measured the bandwidth on.",
         )
     if report["threads"] != torch.get_num_threads():
-        _fail("report['threads']", report["threads"], "torch.get_num_threads()", "Read it from torch.")
+        fail("report['threads']", report["threads"], "torch.get_num_threads()", "Read it from torch.")
     if report["copy_gbps"] != bandwidth.copy_gbps:
-        _fail(
+        fail(
             "report['copy_gbps']",
             report["copy_gbps"],
             "the measured bandwidth's copy_gbps",

@@ -7,7 +7,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from kvlab.course.grading import _call, _close, _exact_int, _fail, _label
+from kvlab.course.grading import call_learner, close_to, config_label, exact_int, fail
 from kvlab.roofline import (
     batch_for_tpot,
     decode_attention_flops,
@@ -87,9 +87,9 @@ def check_kv_bytes_per_token(
     )
     for cfg, size in _course_models() if cases is None else cases:
         exact = cfg.n_layers * kv_elements_per_token_per_layer(cfg) * size
-        label = f"kv_bytes_per_token({_label(cfg)}, bytes_per_element={size})"
-        got = _call(label, fn, cfg, size)
-        _exact_int(label, got, round(exact), "bytes", fix, reveal, _kv_slips(cfg, size, exact))
+        label = f"kv_bytes_per_token({config_label(cfg)}, bytes_per_element={size})"
+        got = call_learner(label, fn, cfg, size)
+        exact_int(label, got, round(exact), "bytes", fix, reveal, _kv_slips(cfg, size, exact))
 
 
 def _dense_models() -> tuple[tuple[ModelConfig, float], ...]:
@@ -132,9 +132,9 @@ def check_weight_bytes(
         "and two norms of d, plus the final norm."
     )
     for cfg, size in _dense_models() if cases is None else cases:
-        label = f"weight_bytes({_label(cfg)}, bytes_per_element={size})"
-        got = _call(label, fn, cfg, size)
-        _exact_int(label, got, round(param_count(cfg) * size), "bytes", fix, reveal, _weight_slips(cfg, size))
+        label = f"weight_bytes({config_label(cfg)}, bytes_per_element={size})"
+        got = call_learner(label, fn, cfg, size)
+        exact_int(label, got, round(param_count(cfg) * size), "bytes", fix, reveal, _weight_slips(cfg, size))
 
 
 _TPOT_CASES = (
@@ -152,7 +152,7 @@ def check_tpot_ms(fn: Callable[..., float], cases=_TPOT_CASES, reveal: bool = Tr
         label = f"tpot_ms({w}, {kv}, context={context}, batch={batch}, {gbps:g} GB/s)"
         no_batch = "It leaves out the batch: each sequence in it reads its own cache, the weights are read once."
         slips = ((predict_tpot_ms(w + context * kv, gbps), no_batch),) if batch != 1 else ()
-        _close(label, _call(label, fn, w, kv, context, batch, gbps), want, "ms", fix, reveal, slips=slips)
+        close_to(label, call_learner(label, fn, w, kv, context, batch, gbps), want, "ms", fix, reveal, slips=slips)
 
 
 _BATCH_CASES = (
@@ -166,9 +166,9 @@ def check_batch_for_tpot(fn: Callable[..., float], cases=_BATCH_CASES, reveal: b
     for target, w, kv, context, gbps in cases:
         label = f"batch_for_tpot({target:g} ms, {w}, {kv}, {context}, {gbps:g} GB/s)"
         fix = "Solve target = (weights + batch x context x KV per token) / bandwidth for batch; keep it fractional."
-        _close(
+        close_to(
             label,
-            _call(label, fn, target, w, kv, context, gbps),
+            call_learner(label, fn, target, w, kv, context, gbps),
             batch_for_tpot(target, w, kv, context, gbps),
             "sequences",
             fix,
@@ -206,13 +206,13 @@ def check_error_audit(
             (83.9e9, "That is the claim's 83.9 GB: evaluate the expression itself."),
         )
         fix = "Evaluate the expression as written: it has no sequence length in it."
-        _exact_int("expression_bytes", expression_bytes, _EXPRESSION, "bytes", fix, True, slips)
+        exact_int("expression_bytes", expression_bytes, _EXPRESSION, "bytes", fix, True, slips)
     keys = ("mha_kv_bytes", "kv_bytes", "kv_over_weights")
     for cfg, context in _audit_models() if cases is None else cases:
-        call = f"audit({_label(cfg)}, context={context})"
-        got = _call(call, fn, cfg, context)
+        call = f"audit({config_label(cfg)}, context={context})"
+        got = call_learner(call, fn, cfg, context)
         if not isinstance(got, Mapping) or not set(keys) <= set(got):
-            _fail(call, got, f"a dict with the keys {', '.join(keys)}", "Return a dict with all three keys.")
+            fail(call, got, f"a dict with the keys {', '.join(keys)}", "Return a dict with all three keys.")
         mha = kv_bytes_per_token(cfg.replace(n_kv_heads=cfg.n_heads), "bf16")
         own, weights = kv_bytes_per_token(cfg, "bf16"), round(param_count(cfg) * 2)
         fix = "KV bytes = 2 x layers x KV heads x head_dim x 2 bytes (BF16) x context tokens"
@@ -221,7 +221,7 @@ def check_error_audit(
         one_token = "It is one token's bytes: multiply by the context."
         in_k = "It puts the context in thousands (32 for 32k) where the number of tokens belongs."
         mha_slips = ((mha, one_token), (mha * round(context / 1024), in_k), (mha * round(context / 1000), in_k))
-        _exact_int(
+        exact_int(
             f"{call}['mha_kv_bytes']",
             got["mha_kv_bytes"],
             mha * context,
@@ -231,12 +231,12 @@ def check_error_audit(
             mha_slips,
         )
         own_slips = ((own, one_token), (mha * context, "It is the MHA cache: use the model's own n_kv_heads."))
-        _exact_int(f"{call}['kv_bytes']", got["kv_bytes"], own * context, "bytes", f"{fix}.{uses}", reveal, own_slips)
+        exact_int(f"{call}['kv_bytes']", got["kv_bytes"], own * context, "bytes", f"{fix}.{uses}", reveal, own_slips)
         ratio_slips = (
             (weights / (own * context), "It is weights / KV: return KV / weights."),
             (mha * context / weights, "It uses the MHA cache: use the model's own KV heads."),
         )
-        _close(
+        close_to(
             f"{call}['kv_over_weights']",
             got["kv_over_weights"],
             own * context / weights,
@@ -263,4 +263,4 @@ def check_decode_attention_flops(
             "the past queries are not recomputed."
         )
         want = decode_attention_flops(layers, d, context)
-        _exact_int(label, _call(label, fn, layers, d, context), want, "FLOPs", fix, reveal)
+        exact_int(label, call_learner(label, fn, layers, d, context), want, "FLOPs", fix, reveal)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from kvlab.course.grading import _call, _close, _exact_int, _fail, _label
+from kvlab.course.grading import call_learner, close_to, config_label, exact_int, fail
 from kvlab.model.weights import int8_step_weight_bytes
 from kvlab.roofline import decode_flops, predict_tpot_ms, prefill_flops, ridge_intensity, roofline_time_ms
 from kvlab.spec.config import ModelConfig
@@ -31,7 +31,7 @@ def check_ridge_intensity(fn: Callable[[float, float], float], cases=_RIDGE_CASE
     for peak, gbps in cases:
         label = f"ridge_intensity({peak:g} FLOP/s, {gbps:g} GB/s)"
         fix = "The ridge is where compute time equals memory time: peak FLOP/s / (bandwidth in bytes/s)."
-        _close(label, _call(label, fn, peak, gbps), ridge_intensity(peak, gbps), "FLOP/byte", fix, reveal)
+        close_to(label, call_learner(label, fn, peak, gbps), ridge_intensity(peak, gbps), "FLOP/byte", fix, reveal)
 
 
 def _flop_models() -> tuple[ModelConfig, ...]:
@@ -42,13 +42,13 @@ def check_decode_flops(fn: Callable[[ModelConfig, int, int], int], cases=None, r
     """``fn(cfg, context, batch)`` -> FLOPs of one decode step for the whole batch."""
     cases = [(cfg, ctx, b) for cfg in _flop_models() for ctx, b in ((4096, 1), (1, 16))] if cases is None else cases
     for cfg, context, batch in cases:
-        label = f"decode_flops({_label(cfg)}, context={context}, batch={batch})"
+        label = f"decode_flops({config_label(cfg)}, context={context}, batch={batch})"
         fix = (
             "Per sequence: 2 FLOPs per parameter a token uses (roofline.active_params(cfg): a mixture of experts "
             "uses only its routed experts), plus 4 x context x query heads x head_dim per layer for attention."
         )
-        _exact_int(
-            label, _call(label, fn, cfg, context, batch), decode_flops(cfg, context, batch), "FLOPs", fix, reveal
+        exact_int(
+            label, call_learner(label, fn, cfg, context, batch), decode_flops(cfg, context, batch), "FLOPs", fix, reveal
         )
 
 
@@ -56,13 +56,13 @@ def check_prefill_flops(fn: Callable[[ModelConfig, int], int], cases=None, revea
     """``fn(cfg, n_tokens)`` -> FLOPs of a causal prefill of ``n_tokens`` for one sequence."""
     cases = [(cfg, t) for cfg in _flop_models() for t in (1, 4096)] if cases is None else cases
     for cfg, n in cases:
-        label = f"prefill_flops({_label(cfg)}, n_tokens={n})"
+        label = f"prefill_flops({config_label(cfg)}, n_tokens={n})"
         fix = (
             "2 FLOPs per parameter a token uses (roofline.active_params(cfg)) per token, plus attention: token t "
             "(t = 1..T) attends over t keys at 4 x query heads x head_dim FLOPs per key per layer, a sum of "
             "2 x layers x heads x head_dim x T (T + 1)."
         )
-        _exact_int(label, _call(label, fn, cfg, n), prefill_flops(cfg, n), "FLOPs", fix, reveal)
+        exact_int(label, call_learner(label, fn, cfg, n), prefill_flops(cfg, n), "FLOPs", fix, reveal)
 
 
 _ROOFLINE_CASES = ((2e9, 4e9, 50e9, 12.5), (2e12, 1e9, 50e9, 12.5), (1.4e11, 1.4e11, 989e12, 3350.0))
@@ -76,7 +76,7 @@ def check_roofline_time_ms(
         label = f"roofline_time_ms({flops:g} FLOPs, {n_bytes:g} B, {peak:g} FLOP/s, {gbps:g} GB/s)"
         want = roofline_time_ms(flops, n_bytes, peak, gbps)
         fix = "The slower of the two: max(FLOPs / peak, bytes / bandwidth), in ms (not their sum)."
-        _close(label, _call(label, fn, flops, n_bytes, peak, gbps), want, "ms", fix, reveal)
+        close_to(label, call_learner(label, fn, flops, n_bytes, peak, gbps), want, "ms", fix, reveal)
 
 
 def check_fixed_overhead(
@@ -91,7 +91,7 @@ def check_fixed_overhead(
     tens of microseconds or more on any CPU or GPU; so the overhead must be at least half the measured step. (On the
     course's loaded 2-core machine, 50 quick-mode runs put it at 95-99% of the step.)
     """
-    _close(
+    close_to(
         "micro_predicted_ms",
         predicted_ms,
         predict_tpot_ms(n_bytes, bandwidth_gbps),
@@ -100,7 +100,7 @@ def check_fixed_overhead(
         True,
         rel=1e-6,
     )
-    _close(
+    close_to(
         "fixed_overhead_ms",
         overhead_ms,
         measured_ms - predicted_ms,
@@ -110,7 +110,7 @@ def check_fixed_overhead(
         rel=1e-6,
     )
     if not overhead_ms >= 0.5 * measured_ms:
-        _fail(
+        fail(
             "fixed_overhead_ms",
             overhead_ms,
             f"at least half the measured {measured_ms:.3f} ms",
@@ -130,7 +130,7 @@ def check_achieved_fraction(
             "Predicted TPOT = (weight bytes + batch x context x KV bytes per token) / (bandwidth x 1e9), in ms; "
             "divide it by the measured TPOT (a fraction below 1)."
         )
-        _close(label, _call(label, fn, row), want, "a fraction of the bandwidth", fix, reveal)
+        close_to(label, call_learner(label, fn, row), want, "a fraction of the bandwidth", fix, reveal)
 
 
 def check_int8_weight_bytes(fn: Callable[[ModelConfig], int], cases=None, reveal: bool = True) -> None:
@@ -138,11 +138,11 @@ def check_int8_weight_bytes(fn: Callable[[ModelConfig], int], cases=None, reveal
     column (``kvlab.model.weights``'s format): exact arithmetic, no measurement."""
     cases = (get_model("cpu-small"), get_model("cpu-tiny"), get_model("llama-3.1-8b")) if cases is None else cases
     for cfg in cases:
-        label = f"int8_weight_bytes({_label(cfg)})"
+        label = f"int8_weight_bytes({config_label(cfg)})"
         fix = (
             "Per layer: the QKV matrix (d_model in; query heads + 2 x KV heads, times head_dim, out), the output "
             "projection, gate/up (2 x d_ff out) and down; then the LM head (d_model in, vocab out). Each matrix "
             "costs 1 byte per weight plus a 4-byte scale per output column; the input embedding is a lookup, not "
             "a product."
         )
-        _exact_int(label, _call(label, fn, cfg), int8_step_weight_bytes(cfg), "bytes", fix, reveal)
+        exact_int(label, call_learner(label, fn, cfg), int8_step_weight_bytes(cfg), "bytes", fix, reveal)

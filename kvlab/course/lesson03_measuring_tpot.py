@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from kvlab.cache.base import CacheFactory, KVCache
-from kvlab.course.grading import _call, _close, _fail, _timed_together
+from kvlab.course.grading import call_learner, close_to, fail, timed_together
 from kvlab.course.measured import Reading, reading, tell
 from kvlab.measure.sweep import Sweep
 from kvlab.metrics import RequestTiming, fit_line, percentile
@@ -51,9 +51,9 @@ def check_request_metrics(
     for times in cases:
         ref = RequestTiming(tuple(times))
         label = f"request_metrics({list(times)})"
-        got = _call(label, fn, list(times))
+        got = call_learner(label, fn, list(times))
         if not isinstance(got, Mapping):
-            _fail("request_metrics", got, "a dict", "Return a dict with ttft_ms, tpot_ms, itl_ms and e2el_ms.")
+            fail("request_metrics", got, "a dict", "Return a dict with ttft_ms, tpot_ms, itl_ms and e2el_ms.")
         keys = [
             ("ttft_ms", ref.ttft_ms, "TTFT is the first token's arrival time since the request started."),
             ("e2el_ms", ref.e2el_ms, "E2EL is the last token's arrival time since the request started."),
@@ -62,15 +62,15 @@ def check_request_metrics(
             fix = "Not the TPOT section 1 (exercise 1's text) defines: the first token is not a decode gap."
             keys.append(("tpot_ms", ref.tpot_ms, fix))
         elif got.get("tpot_ms") is not None:
-            _fail(f"{label}['tpot_ms']", got.get("tpot_ms"), "None", _ONE_TOKEN_TPOT)
+            fail(f"{label}['tpot_ms']", got.get("tpot_ms"), "None", _ONE_TOKEN_TPOT)
         for key, want, fix in keys:
-            _close(f"{label}[{key!r}]", got.get(key), want, "ms", fix, reveal)
+            close_to(f"{label}[{key!r}]", got.get(key), want, "ms", fix, reveal)
         itl = got.get("itl_ms")
         fix = "ITL is every gap between consecutive tokens: one fewer than the tokens, in ms."
         if not isinstance(itl, Sequence) or len(itl) != len(ref.itl_ms):
-            _fail(f"request_metrics({list(times)})['itl_ms']", itl, f"a list of {len(ref.itl_ms)} gaps in ms", fix)
+            fail(f"request_metrics({list(times)})['itl_ms']", itl, f"a list of {len(ref.itl_ms)} gaps in ms", fix)
         for got_gap, want_gap in zip(itl, ref.itl_ms, strict=True):
-            _close(f"request_metrics({list(times)})['itl_ms']", got_gap, want_gap, "ms", fix, reveal)
+            close_to(f"request_metrics({list(times)})['itl_ms']", got_gap, want_gap, "ms", fix, reveal)
 
 
 _PERCENTILE_CASES = (((3.0, 1.0, 2.0), 50), ((5.0, 1.0, 4.0, 2.0, 3.0), 90), ((10.0, 20.0), 99), ((7.0,), 99))
@@ -87,8 +87,8 @@ def check_percentile(
         lo, hi = math.floor(rank), math.ceil(rank)
         unsorted = values[lo] + (values[hi] - values[lo]) * (rank - lo)
         slips = () if unsorted == percentile(values, p) else ((unsorted, "The values were not sorted first."),)
-        got = _call(label, fn, list(values), p)
-        _close(label, got, percentile(values, p), "the values' unit", fix, reveal, slips=slips)
+        got = call_learner(label, fn, list(values), p)
+        close_to(label, got, percentile(values, p), "the values' unit", fix, reveal, slips=slips)
 
 
 def check_fit_tpot(
@@ -104,13 +104,13 @@ def check_fit_tpot(
     """
     data = [([p.context for p in sweep.points], [p.tpot_ms for p in sweep.points])] if sweep is not None else []
     for contexts, tpots in [*data, *cases]:
-        got = _call("fit_tpot", fn, list(contexts), list(tpots))
+        got = call_learner("fit_tpot", fn, list(contexts), list(tpots))
         if not (isinstance(got, tuple) and len(got) == 2):
-            _fail("fit_tpot", got, "a tuple (slope_us_per_token, intercept_ms)", "Return two numbers.")
+            fail("fit_tpot", got, "a tuple (slope_us_per_token, intercept_ms)", "Return two numbers.")
         ref = fit_line(contexts, tpots)
         fix = "Fit the ordinary least-squares line of TPOT against context; check which list is x and the units."
-        _close("fit_tpot slope", got[0], ref.slope * 1e3, "µs per token (TPOT is in ms)", fix, reveal, rel=1e-6)
-        _close("fit_tpot intercept", got[1], ref.intercept, "ms", fix, reveal, rel=1e-6)
+        close_to("fit_tpot slope", got[0], ref.slope * 1e3, "µs per token (TPOT is in ms)", fix, reveal, rel=1e-6)
+        close_to("fit_tpot intercept", got[1], ref.intercept, "ms", fix, reveal, rel=1e-6)
 
 
 # The band for a measured KV slope over the predicted one (KV bytes / read bandwidth measured at the same thread
@@ -151,7 +151,7 @@ def check_slope_band(predicted_slope_us: float, measured_slope_us: float, sweep:
     """The predicted KV slope (bytes / measured bandwidth) and the measured one (the sweep's fit), graded on that
     arithmetic; ``slope_reading`` says whether the sweep showed the slope the bytes predict."""
     want = sweep.batch * sweep.kv_bytes_per_token / (sweep.bandwidth.read_gbps * 1e9) * 1e6
-    _close(
+    close_to(
         "predicted_slope_us",
         predicted_slope_us,
         want,
@@ -161,7 +161,7 @@ def check_slope_band(predicted_slope_us: float, measured_slope_us: float, sweep:
         True,
         rel=1e-6,
     )
-    _close(
+    close_to(
         "measured_slope_us",
         measured_slope_us,
         sweep.fit.slope * 1e3,
@@ -183,7 +183,7 @@ def check_crossover_context(
     for w, kv, batch in cases:
         label = f"crossover_context({w}, {kv}, batch={batch})"
         fix = "Not the crossover exercise 5 (section 4) defines: count the whole batch's K/V; keep it fractional."
-        _close(label, _call(label, fn, w, kv, batch), crossover_context(w, kv, batch), "tokens", fix, reveal)
+        close_to(label, call_learner(label, fn, w, kv, batch), crossover_context(w, kv, batch), "tokens", fix, reveal)
 
 
 _CACHE_CHECK_MODEL = ModelConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=64)
@@ -211,27 +211,31 @@ def check_concat_cache(
     prompt = torch.randint(0, cfg.vocab_size, (batch, 5), generator=torch.Generator().manual_seed(2))
     caches = {
         "preallocated": model.new_cache(batch, 5 + n_steps),
-        "yours": _call("make_cache", make_cache, model, batch, 5 + n_steps),
+        "yours": call_learner("make_cache", make_cache, model, batch, 5 + n_steps),
     }
     logits = {"preallocated": [model.prefill(prompt, caches["preallocated"])[:, -1]]}
     try:
         logits["yours"] = [model.prefill(prompt, caches["yours"])[:, -1]]
     except Exception as e:  # most often a layout the attention kernel cannot read: say which, not where it broke
-        _fail("prefill with your cache", f"{type(e).__name__}: {e}", "the prompt's logits", _LAYOUT_FIX)
+        fail("prefill with your cache", f"{type(e).__name__}: {e}", "the prompt's logits", _LAYOUT_FIX)
     _compare_stored(caches["yours"], caches["preallocated"], cfg.n_layers, 5, "after a 5-token prefill")
     copied = []  # per step of your cache: whether every layer's K and V moved to new storage
     for name, cache in caches.items():
         for _ in range(n_steps):
             # Held until the step is done, so that a new tensor cannot be given the old one's memory.
-            before = [_call("read()", cache.read, layer) for layer in range(cfg.n_layers)] if name == "yours" else []
-            step = _call(f"a decode step with the {name} cache", model.decode_step, logits[name][-1].argmax(-1), cache)
+            before = (
+                [call_learner("read()", cache.read, layer) for layer in range(cfg.n_layers)] if name == "yours" else []
+            )
+            step = call_learner(
+                f"a decode step with the {name} cache", model.decode_step, logits[name][-1].argmax(-1), cache
+            )
             logits[name].append(step)
             if before:
                 old = [_storage(t) for layer in before for t in layer]
                 new = [_storage(t) for layer in range(cfg.n_layers) for t in cache.read(layer)]
                 copied.append(all(o != n for o, n in zip(old, new, strict=True)))
     if caches["yours"].length != 5 + n_steps:
-        _fail(
+        fail(
             "cache.length",
             caches["yours"].length,
             f"{5 + n_steps} after a 5-token prefill and {n_steps} steps",
@@ -245,11 +249,11 @@ def check_concat_cache(
     ]
     if mismatched:
         first = f"a mismatch from output token {mismatched[0] + 1} on"
-        _fail("decoded logits", first, "the preallocated cache's logits", _LAYOUT_FIX)
+        fail("decoded logits", first, "the preallocated cache's logits", _LAYOUT_FIX)
     # Section 5 times the copy that concatenation makes. A cache that writes each token into storage it already
     # holds decodes the same logits and copies nothing: seen here, exactly, rather than left to a timing.
     if not all(copied):
-        _fail(
+        fail(
             "append()",
             f"the stored K/V written in place at {copied.count(False)} of {n_steps} steps",
             "new tensors at every step",
@@ -271,10 +275,10 @@ def _compare_stored(yours: KVCache, reference: KVCache, n_layers: int, n_tokens:
     layers' K/V differ only by the two attention kernels' rounding, far inside the tolerance.
     """
     for layer in range(n_layers):
-        stored = zip(("keys", "values"), _call("read()", yours.read, layer), reference.read(layer), strict=True)
+        stored = zip(("keys", "values"), call_learner("read()", yours.read, layer), reference.read(layer), strict=True)
         for name, got, want in stored:
             if got.shape != want.shape or not torch.allclose(got, want, atol=1e-5, rtol=1e-4):
-                _fail(
+                fail(
                     f"layer {layer}'s {name} {when}, as read() returns them ([B, Hkv, S, D])",
                     f"shape {tuple(got.shape)}" + (", other values" if got.shape == want.shape else ""),
                     f"the {n_tokens} appended tokens in the order they arrived, shape {tuple(want.shape)}",
@@ -319,15 +323,12 @@ def check_ab_slopes(preallocated: Sweep | None, concat: Sweep | None) -> None:
     """
     for name, sweep in (("preallocated", preallocated), ("concat", concat)):
         if sweep is None:
-            _fail(
+            fail(
                 f"{name} sweep",
                 None,
                 "a kvlab.measure.sweep.Sweep from the A/B cell",
                 "This check needs exercise 6 (ConcatKVCache.append): make check_concat_cache pass, then run the "
                 "cell that times both caches, then this one.",
             )
-    _timed_together({"preallocated": preallocated, "concat": concat}, "Pass the result of sweep_context.")
-    a, b = [p.context for p in preallocated.points], [p.context for p in concat.points]
-    if a != b:
-        _fail("concat contexts", b, f"the preallocated sweep's contexts {a}", "Sweep the same contexts.")
+    timed_together({"preallocated": preallocated, "concat": concat}, "Pass the result of sweep_context.")
     tell("the concatenating cache's steeper line", ab_reading(preallocated, concat))

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from kvlab.course.grading import FLOOR, _call, _close, _exact_int, _exact_ints, _fail, _label
+from kvlab.course.grading import FLOOR, call_learner, close_to, config_label, exact_int, exact_ints, fail
 from kvlab.course.measured import Reading, reading, tell
 from kvlab.engine import Engine, Request, RequestResult, RunReport
 from kvlab.metrics import RequestTiming, fit_line, percentile
@@ -58,10 +58,10 @@ def check_step_bytes(
     batch)`` (each sequence its own K/V: batch x context x KV bytes per token).
     """
     for cfg, batch, context in _step_cases() if cases is None else cases:
-        label = f"step_bytes({_label(cfg)}, batch={batch}, context={context})"
-        got = _call(label, fn, cfg, batch, context)
+        label = f"step_bytes({config_label(cfg)}, batch={batch}, context={context})"
+        got = call_learner(label, fn, cfg, batch, context)
         if not (isinstance(got, (tuple, list)) and len(got) == 2):
-            _fail(label, got, "a tuple (weight_bytes, kv_bytes)", "Return two ints: weight bytes, then KV bytes.")
+            fail(label, got, "a tuple (weight_bytes, kv_bytes)", "Return two ints: weight bytes, then KV bytes.")
         weights, kv = weight_bytes_read(cfg, batch=batch), kv_bytes_per_step(cfg, context, batch)
         once = "A step reads each weight once for the whole batch: the batch shares it."
         weight_slips = [
@@ -78,14 +78,14 @@ def check_step_bytes(
             ),
         ]
         fix = "The weights are shared: count what one step reads for the whole batch, once."
-        _exact_int(f"{label}[0], the weight bytes", got[0], weights, "bytes", fix, reveal, weight_slips)
+        exact_int(f"{label}[0], the weight bytes", got[0], weights, "bytes", fix, reveal, weight_slips)
         per_token = kv_bytes_per_token(cfg)
         kv_slips = [
             (context * per_token, "It is one sequence's K/V: every sequence in the batch reads its own."),
             (batch * (context + 1) * per_token, "It counts context + 1 tokens: each sequence attends over context."),
         ]
         fix = "The K/V are not shared: each sequence reads its own cache, over its whole context."
-        _exact_int(f"{label}[1], the KV bytes", got[1], kv, "bytes", fix, reveal, kv_slips)
+        exact_int(f"{label}[1], the KV bytes", got[1], kv, "bytes", fix, reveal, kv_slips)
 
 
 # -- exercise 2: the slope and the intercept at batch 1 and batch B ------------------------------------------------
@@ -147,7 +147,7 @@ def check_batch_ratios(
     arithmetic alone; where ``batch_reading`` does not see the effect in the data, the check says so."""
     batches = sorted(tpot_ms) if isinstance(tpot_ms, Mapping) else []
     if len(batches) != 2 or batches[0] != 1 or not isinstance(batches[1], int):
-        _fail(
+        fail(
             "tpot_ms",
             tpot_ms if tpot_ms is None else f"batches {batches}",
             "a dict {1: [...], B: [...]} of TPOTs at batch 1 and one batch B > 1",
@@ -155,12 +155,12 @@ def check_batch_ratios(
         )
     if any(len(tpot_ms[b]) != len(contexts) for b in batches):
         lengths = {b: len(tpot_ms[b]) for b in batches}
-        _fail("tpot_ms", lengths, f"{len(contexts)} TPOTs per batch, one per context", "Pass the contexts measured.")
+        fail("tpot_ms", lengths, f"{len(contexts)} TPOTs per batch, one per context", "Pass the contexts measured.")
     want_kv, want_weights = _ratios(contexts, tpot_ms)
     inverse = "It is batch 1's over batch B's: divide batch B's by batch 1's."
     fix = "Not the ratio of {}s exercise 2 (section 2) asks for: use lines fitted to each batch's TPOTs."
-    _close("kv_ratio", kv_ratio, want_kv, "slope / slope", fix.format("slope"), True, 1e-6, [(1 / want_kv, inverse)])
-    _close(
+    close_to("kv_ratio", kv_ratio, want_kv, "slope / slope", fix.format("slope"), True, 1e-6, [(1 / want_kv, inverse)])
+    close_to(
         "weight_ratio",
         weight_ratio,
         want_weights,
@@ -216,7 +216,7 @@ def check_throughput_latency(
         whose = f"your run {i + 1}" if i < len(reports) else f"a made-up run {i + 1 - len(reports)}"
         label = f"throughput_latency({whose})"
         try:
-            got = _call(label, fn, report)
+            got = call_learner(label, fn, report)
         except AssertionError as e:
             if "NoneType" not in str(e):
                 raise
@@ -225,14 +225,14 @@ def check_throughput_latency(
                 "requests out of the percentiles."
             ) from e
         if not isinstance(got, Mapping) or any(k not in got for k in _THROUGHPUT_KEYS):
-            _fail(label, got, f"a dict with the keys {', '.join(_THROUGHPUT_KEYS)}", "Return a dict.")
+            fail(label, got, f"a dict with the keys {', '.join(_THROUGHPUT_KEYS)}", "Return a dict.")
         tpots = [r.tpot_ms for r in report.results if r.tpot_ms is not None]
         itl = [gap for r in report.results for gap in r.itl_ms]
         requests = len(report.completed) / report.duration_s
         fix = "Not the throughput exercise 3 (section 3) defines: check what it counts, and over what time."
         slips = [(requests, "It counts requests per second; count output tokens.")]
         want = report.output_tokens_per_s
-        _close(
+        close_to(
             f"{label}['output_tokens_per_s']", got["output_tokens_per_s"], want, "tokens/s", fix, reveal, slips=slips
         )
         for p in (50, 99):
@@ -247,7 +247,7 @@ def check_throughput_latency(
                 slips.append(
                     (exclusive, "statistics.quantiles defaults to 'exclusive'; interpolate linearly (lesson 03).")
                 )
-            _close(f"{label}[{key!r}]", got[key], percentile(tpots, p), "ms", fix, reveal, slips=slips)
+            close_to(f"{label}[{key!r}]", got[key], percentile(tpots, p), "ms", fix, reveal, slips=slips)
 
 
 # -- exercise 4: the largest batch a memory budget holds ----------------------------------------------------------
@@ -276,8 +276,8 @@ def check_max_batch_for_memory(
     """
     trials = []
     for cfg, memory, context, kv_dtype in _memory_cases() if cases is None else cases:
-        label = f"max_batch_for_memory({_label(cfg)}, {memory:,} bytes, context={context}, kv_dtype={kv_dtype!r})"
-        got = _call(label, fn, cfg, memory, context, kv_dtype)
+        label = f"max_batch_for_memory({config_label(cfg)}, {memory:,} bytes, context={context}, kv_dtype={kv_dtype!r})"
+        got = call_learner(label, fn, cfg, memory, context, kv_dtype)
         per_sequence = context * kv_bytes_per_token(cfg, kv_dtype)
         free = memory - weight_bytes(cfg)
         want = max(0, free // per_sequence)
@@ -302,7 +302,7 @@ def check_max_batch_for_memory(
         if isinstance(got, int) and got < 0:
             fix = "A negative count: where the weights alone do not fit, no sequence fits at all."
         trials.append((label, got, want, "sequences", fix, reveal, slips, FLOOR))
-    _exact_ints(trials)
+    exact_ints(trials)
 
 
 _ROUNDS = "It rounds up, or to the nearest: round down (// or math.floor), since only whole sequences fit."
@@ -343,7 +343,7 @@ def check_max_batch_in_pool(
     """
     for n_blocks, block_size, prompt_len in cases:
         label = f"max_batch_in_pool(n_blocks={n_blocks}, block_size={block_size}, prompt_len={prompt_len})"
-        got = _call(label, fn, n_blocks, block_size, prompt_len)
+        got = call_learner(label, fn, n_blocks, block_size, prompt_len)
         want, preemptions = _admitted_at_once(n_blocks, block_size, prompt_len)
         if preemptions:  # admission alone must bind, or the count is not admission's
             raise RuntimeError(f"{label}: the engine preempted {preemptions} times; the check's run is not valid")
@@ -365,7 +365,7 @@ def check_max_batch_in_pool(
             ),
         ]
         fix = "Not what the engine admits: read Engine._admit, as exercise 5's text (section 4) says."
-        _exact_int(label, got, want, "requests", fix, reveal, slips, to_int=FLOOR)
+        exact_int(label, got, want, "requests", fix, reveal, slips, to_int=FLOOR)
 
 
 # -- exercise 6: allocation waste ----------------------------------------------------------------------------------
@@ -394,9 +394,9 @@ def check_allocation_waste(
     reserved token slots that hold no token (``allocation_waste``)."""
     for lengths, max_seq_len, block_size in cases:
         label = f"allocation_waste({list(lengths)}, max_seq_len={max_seq_len}, block_size={block_size})"
-        got = _call(label, fn, list(lengths), max_seq_len, block_size)
+        got = call_learner(label, fn, list(lengths), max_seq_len, block_size)
         if not (isinstance(got, (tuple, list)) and len(got) == 2):
-            _fail(label, got, "a tuple (contiguous_waste, paged_waste)", "Return two fractions between 0 and 1.")
+            fail(label, got, "a tuple (contiguous_waste, paged_waste)", "Return two fractions between 0 and 1.")
         used = sum(lengths)
         for i, (name, reserved, fix) in enumerate(
             (
@@ -416,4 +416,4 @@ def check_allocation_waste(
             if name == "paged":
                 floor = block_size * sum(n // block_size for n in lengths)
                 slips.append((1 - used / floor if floor else math.inf, "Round each sequence's blocks up, not down."))
-            _close(f"{label}[{i}], the {name} waste", got[i], want, "fraction", fix, reveal, slips=slips)
+            close_to(f"{label}[{i}], the {name} waste", got[i], want, "fraction", fix, reveal, slips=slips)

@@ -9,7 +9,16 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import pairwise
 from typing import Any
 
-from kvlab.course.grading import _call, _close, _exact_int, _fail, _label, _timed_together
+from kvlab.course.grading import (
+    call_learner,
+    check_slope_ratios,
+    close_to,
+    config_label,
+    exact_int,
+    fail,
+    slopes_over,
+    timed_together,
+)
 from kvlab.course.measured import Reading, reading, tell
 from kvlab.measure.sweep import Sweep
 from kvlab.metrics import fit_line
@@ -80,13 +89,13 @@ def check_predict_layouts(
     ``cfg.replace(n_kv_heads=...)``, and its ratio to the MHA layout's, the slope ratio the bytes predict.
     """
     for cfg in _layout_models() if cases is None else cases:
-        label = f"predict_layouts({_label(cfg)}, {cfg.n_heads} query heads)"
-        got = _call(label, fn, cfg)
+        label = f"predict_layouts({config_label(cfg)}, {cfg.n_heads} query heads)"
+        got = call_learner(label, fn, cfg)
         divisors = [k for k in range(1, cfg.n_heads + 1) if cfg.n_heads % k == 0]
         if not isinstance(got, Mapping):
-            _fail(label, type(got).__name__, "a dict {n_kv_heads: (bytes, ratio)}", "Return a dict.")
+            fail(label, type(got).__name__, "a dict {n_kv_heads: (bytes, ratio)}", "Return a dict.")
         if sorted(got) != divisors:
-            _fail(
+            fail(
                 f"{label} keys",
                 sorted(got),
                 f"every divisor of n_heads={cfg.n_heads}, 1 and {cfg.n_heads} included",
@@ -97,18 +106,16 @@ def check_predict_layouts(
             entry = got[n_kv_heads]
             quantity = f"{label}[{n_kv_heads}]"
             if not (isinstance(entry, Sequence) and len(entry) == 2):
-                _fail(quantity, entry, "a pair (kv_bytes_per_token, ratio_to_mha)", "Return two numbers per layout.")
+                fail(quantity, entry, "a pair (kv_bytes_per_token, ratio_to_mha)", "Return two numbers per layout.")
             exact = kv_bytes_per_token(cfg.replace(n_kv_heads=n_kv_heads))
             fix = (
                 "Not the bytes section 1 (exercise 1's text) counts for this layout: check what it caches per "
                 "token, per layer and per KV head, and at how many bytes per element."
             )
-            _exact_int(
-                f"{quantity} bytes", entry[0], exact, "bytes", fix, reveal, _layout_slips(cfg, n_kv_heads, exact)
-            )
+            exact_int(f"{quantity} bytes", entry[0], exact, "bytes", fix, reveal, _layout_slips(cfg, n_kv_heads, exact))
             inverted = ((mha_bytes / exact, "It is inverted: the layout's bytes over MHA's, not MHA's over it."),)
             fix = "Not the ratio exercise 1 (section 1) asks for: compare with the MHA layout at this width."
-            _close(f"{quantity} ratio", entry[1], exact / mha_bytes, "a ratio", fix, reveal, slips=inverted)
+            close_to(f"{quantity} ratio", entry[1], exact / mha_bytes, "a ratio", fix, reveal, slips=inverted)
 
 
 # -- exercise 2: the measured slopes against the byte ratios ----------------------------------------------------------
@@ -131,8 +138,8 @@ LAYOUT_MIN_OF_BYTES = 0.5
 def layout_reading(sweeps: Mapping[int, Sweep]) -> Reading:
     """Whether ``{n_kv_heads: Sweep}`` shows the lesson's effect: straight lines whose slopes fall with the KV heads,
     none far below its bytes."""
-    ratios = _slope_ratios(sweeps)
     mha = _mha_key(sweeps)
+    ratios = slopes_over(sweeps, mha)
     byte_ratios = {key: s.kv_bytes_per_token / sweeps[mha].kv_bytes_per_token for key, s in sweeps.items()}
     heads = sorted(sweeps, reverse=True)
     r2 = min(s.fit.r2 for s in sweeps.values())
@@ -161,23 +168,11 @@ def _check_layout_sweeps(sweeps: Any, name: str = "sweeps") -> None:
     """``sweeps`` must be ``{n_kv_heads: Sweep}`` measured together: one bandwidth object, the same contexts."""
     fix = "Pass the dict the layout cell made: {n_kv_heads: Sweep}, MHA (n_kv_heads = n_heads) included."
     if not isinstance(sweeps, Mapping) or len(sweeps) < 2:
-        _fail(name, type(sweeps).__name__, "a dict of at least two sweeps, keyed by n_kv_heads", fix)
+        fail(name, type(sweeps).__name__, "a dict of at least two sweeps, keyed by n_kv_heads", fix)
     for key, sweep in sweeps.items():
         if not (isinstance(key, int) and isinstance(sweep, Sweep)):
-            _fail(f"{name}[{key!r}]", type(sweep).__name__, "a kvlab.measure.sweep.Sweep under an int n_kv_heads", fix)
-    _timed_together({f"{name}[{key}]": sweep for key, sweep in sweeps.items()}, fix)
-    first = next(iter(sweeps.values()))
-    contexts = [p.context for p in first.points]
-    for key, sweep in sweeps.items():
-        if [p.context for p in sweep.points] != contexts:
-            _fail(
-                f"{name}[{key}] contexts", [p.context for p in sweep.points], f"{contexts}", "Sweep one context list."
-            )
-
-
-def _slope_ratios(sweeps: Mapping[int, Sweep]) -> dict[int, float]:
-    mha = sweeps[_mha_key(sweeps)].fit.slope
-    return {key: sweep.fit.slope / mha for key, sweep in sweeps.items()}
+            fail(f"{name}[{key!r}]", type(sweep).__name__, "a kvlab.measure.sweep.Sweep under an int n_kv_heads", fix)
+    timed_together({f"{name}[{key}]": sweep for key, sweep in sweeps.items()}, fix)
 
 
 def check_layout_ratios(measured_ratios: Mapping[int, float], sweeps: Mapping[int, Sweep]) -> None:
@@ -185,25 +180,8 @@ def check_layout_ratios(measured_ratios: Mapping[int, float], sweeps: Mapping[in
     slope over the MHA sweep's (the largest key). Graded on that arithmetic alone; ``layout_reading`` says whether
     the sweeps showed the slopes falling with the KV heads."""
     _check_layout_sweeps(sweeps)
-    if not isinstance(measured_ratios, Mapping) or set(measured_ratios) != set(sweeps):
-        keys = list(measured_ratios) if isinstance(measured_ratios, Mapping) else type(measured_ratios).__name__
-        _fail(
-            "measured_ratios",
-            keys,
-            f"a dict with the sweeps' keys {sorted(sweeps)}",
-            "One ratio per layout, MHA's own (1.0) included.",
-        )
-    mha = _mha_key(sweeps)
-    byte_ratios = {key: s.kv_bytes_per_token / sweeps[mha].kv_bytes_per_token for key, s in sweeps.items()}
-    for key, ratio in _slope_ratios(sweeps).items():
-        intercepts = sweeps[key].fit.intercept / sweeps[mha].fit.intercept
-        slips = (
-            (1 / ratio, "It is inverted: the layout's slope over MHA's, not MHA's over the layout's."),
-            (byte_ratios[key], "It is the byte ratio, the prediction: divide the measured slopes (sweep.fit.slope)."),
-            (intercepts, "It divides the intercepts: the slope (sweep.fit.slope) is what the KV bytes set."),
-        )
-        fix = "Not the ratio exercise 2 (section 2) asks for: use the fitted slopes of the sweeps the cell made."
-        _close(f"measured_ratios[{key}]", measured_ratios[key], ratio, "a ratio", fix, True, rel=1e-6, slips=slips)
+    fix = "Not the ratio exercise 2 (section 2) asks for: use the fitted slopes of the sweeps the cell made."
+    check_slope_ratios("measured_ratios", measured_ratios, sweeps, _mha_key(sweeps), fix, "layout", "MHA")
     tell("the slopes falling as the KV heads do", layout_reading(sweeps))
 
 
@@ -227,15 +205,15 @@ def check_split_slope(
         data.append((sorted(sweeps), [sweeps[key].fit.slope * 1e3 for key in sorted(sweeps)]))
     for kv_heads, slopes in [*data, *cases]:
         label = f"split_slope({list(kv_heads)}, {[round(s, 4) for s in slopes]})"
-        got = _call(label, fn, list(kv_heads), list(slopes))
+        got = call_learner(label, fn, list(kv_heads), list(slopes))
         if not (isinstance(got, Sequence) and len(got) == 2):
-            _fail(label, got, "a pair (a_us, b_us)", "Return the slope per KV head and the part left at 0 KV heads.")
+            fail(label, got, "a pair (a_us, b_us)", "Return the slope per KV head and the part left at 0 KV heads.")
         ref = fit_line(kv_heads, slopes)
         swapped = ((ref.intercept, "It is the intercept b: return (a, b), the slope per KV head first."),)
         fix = "Fit the ordinary least-squares line of the slopes against n_kv_heads; check which list is x."
-        _close(f"{label} a", got[0], ref.slope, "µs per token per KV head", fix, reveal, rel=1e-6, slips=swapped)
+        close_to(f"{label} a", got[0], ref.slope, "µs per token per KV head", fix, reveal, rel=1e-6, slips=swapped)
         swapped = ((ref.slope, "It is the slope a: return (a, b), the intercept second."),)
-        _close(f"{label} b", got[1], ref.intercept, "µs per token", fix, reveal, rel=1e-6, slips=swapped)
+        close_to(f"{label} b", got[1], ref.intercept, "µs per token", fix, reveal, rel=1e-6, slips=swapped)
 
 
 def check_query_side(query_side_us: float, sweeps: Mapping[int, Sweep], one_head_sweep: Sweep) -> None:
@@ -247,9 +225,9 @@ def check_query_side(query_side_us: float, sweeps: Mapping[int, Sweep], one_head
     """
     _check_layout_sweeps(sweeps)
     if 1 not in sweeps:
-        _fail("sweeps", sorted(sweeps), "an MQA sweep (key 1) among them", "Sweep n_kv_heads = 1 too.")
+        fail("sweeps", sorted(sweeps), "an MQA sweep (key 1) among them", "Sweep n_kv_heads = 1 too.")
     fix = "Pass the sweep of the model with n_heads = 1, timed in the same cell as the layouts."
-    _timed_together({"sweeps[1]": sweeps[1], "one_head_sweep": one_head_sweep}, fix)
+    timed_together({"sweeps[1]": sweeps[1], "one_head_sweep": one_head_sweep}, fix)
     n_heads = _mha_key(sweeps)
     difference = (sweeps[1].fit.slope - one_head_sweep.fit.slope) * 1e3
     slips = (
@@ -262,7 +240,7 @@ def check_query_side(query_side_us: float, sweeps: Mapping[int, Sweep], one_head
         "to every query head, and the unit (µs per token)."
     )
     want = difference * n_heads / (n_heads - 1)
-    _close("query_side_us", query_side_us, want, "µs per token", fix, True, rel=1e-6, slips=slips)
+    close_to("query_side_us", query_side_us, want, "µs per token", fix, True, rel=1e-6, slips=slips)
 
 
 # -- exercise 5: MLA's latent against the MHA cache it replaces ------------------------------------------------------
@@ -309,10 +287,10 @@ def check_mla_kv_bytes(
         if cfg.mla is None:
             raise ValueError(f"cases: {cfg.name} has no MLA shape; allowed: MLA configs only")
         m = cfg.mla
-        label = f"mla_kv_bytes({_label(cfg)}, bytes_per_element={size})"
-        got = _call(label, fn, cfg, size)
+        label = f"mla_kv_bytes({config_label(cfg)}, bytes_per_element={size})"
+        got = call_learner(label, fn, cfg, size)
         if not (isinstance(got, Sequence) and len(got) == 2):
-            _fail(label, got, "a pair (latent_bytes, mha_bytes)", "Return two ints.")
+            fail(label, got, "a pair (latent_bytes, mha_bytes)", "Return two ints.")
         latent = cfg.n_layers * kv_elements_per_token_per_layer(cfg) * size
         latent_slips = (
             (
@@ -328,7 +306,7 @@ def check_mla_kv_bytes(
             (math.floor(latent), TRUNCATED),
         )
         fix = "Not what MLA caches per token: section 4 (exercise 5's text) says what one layer holds for a token."
-        _exact_int(f"{label} latent_bytes", got[0], round(latent), "bytes", fix, reveal, latent_slips)
+        exact_int(f"{label} latent_bytes", got[0], round(latent), "bytes", fix, reveal, latent_slips)
         mha = _mha_equivalent_bytes(cfg, size)
         mha_slips = (
             (
@@ -343,7 +321,7 @@ def check_mla_kv_bytes(
             (math.floor(mha), TRUNCATED),
         )
         fix = "Not the per-head K/V of the same heads: section 4 (exercise 5's text) gives each head's key and value."
-        _exact_int(f"{label} mha_bytes", got[1], round(mha), "bytes", fix, reveal, mha_slips)
+        exact_int(f"{label} mha_bytes", got[1], round(mha), "bytes", fix, reveal, mha_slips)
 
 
 # -- exercise 6: absorbed against naive, measured --------------------------------------------------------------------
@@ -381,11 +359,11 @@ def check_absorbed_share(absorbed_share: float, naive_sweep: Sweep, absorbed_swe
     """The absorbed path's measured slope over the naive path's, from your sweeps; graded on that arithmetic alone,
     and ``absorbed_reading`` says whether the sweeps showed the absorbed line far flatter."""
     sweeps = {"naive_sweep": naive_sweep, "absorbed_sweep": absorbed_sweep}
-    _timed_together(sweeps, "Pass the sweeps the naive/absorbed cell made.")
+    timed_together(sweeps, "Pass the sweeps the naive/absorbed cell made.")
     want = absorbed_sweep.fit.slope / naive_sweep.fit.slope
     slips = ((1 / want, "It is inverted: the absorbed slope over the naive slope, not the naive over the absorbed."),)
     fix = "Not the share exercise 6 (section 5) asks for: use the fitted slopes of the naive and absorbed sweeps."
-    _close("absorbed_share", absorbed_share, want, "a ratio of slopes", fix, True, rel=1e-6, slips=slips)
+    close_to("absorbed_share", absorbed_share, want, "a ratio of slopes", fix, True, rel=1e-6, slips=slips)
     tell("the absorbed line far flatter than the naive one", absorbed_reading(naive_sweep, absorbed_sweep))
 
 
@@ -413,7 +391,7 @@ def check_absorbed_intensity(
         if cfg.mla is None:
             raise ValueError(f"cases: {cfg.name} has no MLA shape; allowed: MLA configs only")
         m, h = cfg.mla, cfg.n_heads
-        label = f"absorbed_intensity({_label(cfg)}, bytes_per_element={size})"
+        label = f"absorbed_intensity({config_label(cfg)}, bytes_per_element={size})"
         token_bytes = kv_elements_per_token_per_layer(cfg) * size
         want = mla_attention_flops(cfg, 1).attend_latent / token_bytes
         slips = (
@@ -428,7 +406,7 @@ def check_absorbed_intensity(
             "Not the intensity exercise 7 (section 6) asks for: check the FLOPs absorbed attention does for one "
             "cached token and layer, and the bytes that token's cache entry holds."
         )
-        _close(label, _call(label, fn, cfg, size), want, "FLOP per byte", fix, reveal, slips=slips)
+        close_to(label, call_learner(label, fn, cfg, size), want, "FLOP per byte", fix, reveal, slips=slips)
 
 
 _MHA_FLOPS_SLIP = "It counts attention over per-head K/V, 2 H (n + p + v): absorbed attention works in the latent."
@@ -456,10 +434,10 @@ def check_absorbed_step(
     for cfg, context, batch in _step_cases() if cases is None else cases:
         if cfg.mla is None:
             raise ValueError(f"cases: {cfg.name} has no MLA shape; allowed: MLA configs only")
-        label = f"absorbed_step({_label(cfg)}, context={context}, batch={batch})"
-        got = _call(label, fn, cfg, context, batch)
+        label = f"absorbed_step({config_label(cfg)}, context={context}, batch={batch})"
+        got = call_learner(label, fn, cfg, context, batch)
         if not (isinstance(got, Sequence) and len(got) == 2):
-            _fail(label, got, "a pair (flops, n_bytes)", "Return two ints.")
+            fail(label, got, "a pair (flops, n_bytes)", "Return two ints.")
         per_token = 2 * active_params(cfg)
         f = mla_attention_flops(cfg, context)
         flops = batch * (per_token + cfg.n_layers * f.attend_latent)
@@ -474,7 +452,7 @@ def check_absorbed_step(
             "Not the FLOPs of one absorbed step: check each term exercise 8 (section 6) lists, and which of them "
             "every sequence does on its own."
         )
-        _exact_int(f"{label} flops", got[0], flops, "FLOPs", fix, reveal, flop_slips)
+        exact_int(f"{label} flops", got[0], flops, "FLOPs", fix, reveal, flop_slips)
         weights, kv = weight_bytes_read(cfg, batch=batch), kv_bytes_per_step(cfg, context, batch)
         byte_slips = (
             (batch * weight_bytes_read(cfg) + kv, "It reads the weights once per sequence: a batch shares them."),
@@ -486,7 +464,7 @@ def check_absorbed_step(
             (weights + round(batch * _mha_equivalent_bytes(cfg, kv_element_bytes(cfg.dtype)) * context), _MHA_KV_SLIP),
         )
         fix = "Not the bytes of one absorbed step: exercise 8 (section 6) says which reads a batch shares."
-        _exact_int(f"{label} n_bytes", got[1], weights + kv, "bytes", fix, reveal, byte_slips)
+        exact_int(f"{label} n_bytes", got[1], weights + kv, "bytes", fix, reveal, byte_slips)
 
 
 _NAIVE_SLIP = "It counts the naive path (re-expanding every cached latent): the absorbed step attends in the latent."

@@ -12,7 +12,7 @@ import torch
 
 from kvlab.cache.base import FLOAT_DTYPES, CacheShape
 from kvlab.cache.policy.window import POSITIONS, WindowKVCache
-from kvlab.course.grading import _call, _close, _exact_int, _fail, _is_int, _label, _timed_together
+from kvlab.course.grading import call_learner, close_to, config_label, exact_int, fail, is_int, timed_together
 from kvlab.course.measured import Reading, reading, tell
 from kvlab.measure.quality import NeedleResult, PerplexityResult, needle_prompts
 from kvlab.measure.sweep import Sweep
@@ -69,15 +69,15 @@ def _check_ints(quantity: str, got: Any, n: int, reveal: bool) -> list[int]:
     """``got`` must be a sequence of ``n`` ints (a tensor is accepted); returns it as a list."""
     if isinstance(got, torch.Tensor):
         got = got.tolist()
-    if not isinstance(got, Sequence) or isinstance(got, (str, bytes)) or not all(_is_int(p) for p in got):
-        _fail(quantity, got, "a list of int positions", "Return a list of ints (list(range(...)) works).")
+    if not isinstance(got, Sequence) or isinstance(got, (str, bytes)) or not all(is_int(p) for p in got):
+        fail(quantity, got, "a list of int positions", "Return a list of ints (list(range(...)) works).")
     got = list(got)
     if len(got) != n:
         fix = (
             "Not the number of tokens the cache holds: section 1 (exercise 1's text) says what it keeps before and "
             "after it is full. A position held once is listed once."
         )
-        _fail(f"{quantity} length", len(got), "number of positions", fix, n, reveal)
+        fail(f"{quantity} length", len(got), "number of positions", fix, n, reveal)
     return got
 
 
@@ -98,12 +98,12 @@ def check_kept_positions(
     for n_seen, window, sinks in cases:
         label = f"kept_positions(n_seen={n_seen}, window={window}, sinks={sinks})"
         want = _kept(n_seen, window, sinks)
-        raw = _call(label, fn, n_seen, window, sinks)
-        if isinstance(raw, Sequence) and any(_is_int(p) and p >= n_seen for p in raw):
+        raw = call_learner(label, fn, n_seen, window, sinks)
+        if isinstance(raw, Sequence) and any(is_int(p) and p >= n_seen for p in raw):
             fix = f"It lists a position not seen yet: after n_seen = {n_seen} tokens, none is past {n_seen - 1}."
             if n_seen < sinks:
                 fix += " A sink is held once it has been seen, not before."
-            _fail(label, list(raw) if reveal else "a wrong list", "position list", fix, want, reveal)
+            fail(label, list(raw) if reveal else "a wrong list", "position list", fix, want, reveal)
         got = _check_ints(label, raw, len(want), reveal)
         if got == want:
             continue
@@ -116,7 +116,7 @@ def check_kept_positions(
                 "After the sinks come the `window` most recent positions, the newest (n_seen - 1) included: "
                 "n_seen - window .. n_seen - 1."
             )
-        _fail(label, got if reveal else "a wrong list", "position list", fix, want, reveal)
+        fail(label, got if reveal else "a wrong list", "position list", fix, want, reveal)
 
 
 # -- exercise 2: the re-assigned positions --------------------------------------------------------------------------
@@ -139,9 +139,9 @@ def check_reassigned_positions(
         label = f"reassigned_positions(n_seen={n_seen}, window={window}, sinks={sinks})"
         keys, query = _reassigned(n_seen, window, sinks)
         want = [query - k for k in keys]
-        got = _call(label, fn, n_seen, window, sinks)
-        if not (isinstance(got, Sequence) and len(got) == 2 and _is_int(got[1])):
-            _fail(label, got, "a pair (key_positions, query_position)", "Return a list of ints and an int.")
+        got = call_learner(label, fn, n_seen, window, sinks)
+        if not (isinstance(got, Sequence) and len(got) == 2 and is_int(got[1])):
+            fail(label, got, "a pair (key_positions, query_position)", "Return a list of ints and an int.")
         distances = [got[1] - k for k in _check_ints(f"{label} key_positions", got[0], len(keys), reveal)]
         if distances == want:
             continue
@@ -156,7 +156,7 @@ def check_reassigned_positions(
         else:
             fix = "Number the kept tokens 0 .. n - 1 in their original order; the query is the newest, n - 1."
         shown = distances if reveal else "wrong distances"
-        _fail(f"{label} query - key distances", shown, "distance list", fix, want, reveal)
+        fail(f"{label} query - key distances", shown, "distance list", fix, want, reveal)
 
 
 # -- exercise 3: bytes a step reads ----------------------------------------------------------------------------------
@@ -185,7 +185,7 @@ def check_window_bytes_read(
     for cfg, context, window, sinks, kv_dtype in _bytes_models() if cases is None else cases:
         if kv_dtype not in FLOAT_DTYPES:
             raise ValueError(f"cases: kv_dtype {kv_dtype!r} is not allowed; allowed: {', '.join(FLOAT_DTYPES)}")
-        label = f"window_bytes_read({_label(cfg)}, context={context}, window={window}, sinks={sinks}, {kv_dtype})"
+        label = f"window_bytes_read({config_label(cfg)}, context={context}, window={window}, sinks={sinks}, {kv_dtype})"
         shape = CacheShape(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv_dtype, "meta")
         want = WindowKVCache(shape, window=window, sinks=sinks).bytes_read_per_step(context)
         per_token = kv_bytes_per_token(cfg, kv_dtype)
@@ -201,7 +201,9 @@ def check_window_bytes_read(
             ),
         )
         fix = "Not the bytes of one step: section 3 (exercise 3's text) says which tokens a step reads, at what width."
-        _exact_int(label, _call(label, fn, cfg, context, window, sinks, kv_dtype), want, "bytes", fix, reveal, slips)
+        exact_int(
+            label, call_learner(label, fn, cfg, context, window, sinks, kv_dtype), want, "bytes", fix, reveal, slips
+        )
 
 
 # -- exercise 4: the slope, measured flat ----------------------------------------------------------------------------
@@ -243,13 +245,13 @@ def window_reading(full_sweep: Sweep, window_sweep: Sweep) -> Reading:
 def check_window_share(window_share: float, full_sweep: Sweep, window_sweep: Sweep) -> None:
     """The window's measured slope over the full cache's, from your sweeps; graded on that arithmetic alone, and
     ``window_reading`` says whether the sweeps showed the flat line."""
-    _timed_together({"full_sweep": full_sweep, "window_sweep": window_sweep}, "Pass the sweeps the TPOT cell made.")
+    timed_together({"full_sweep": full_sweep, "window_sweep": window_sweep}, "Pass the sweeps the TPOT cell made.")
     contexts = [p.context for p in full_sweep.points]
     if [p.context for p in window_sweep.points] != contexts:
-        _fail("window_sweep contexts", [p.context for p in window_sweep.points], f"{contexts}", "Sweep one list.")
+        fail("window_sweep contexts", [p.context for p in window_sweep.points], f"{contexts}", "Sweep one list.")
     step_bytes = [p.bytes_per_step for p in window_sweep.points]
     if len(set(step_bytes)) != 1:
-        _fail(
+        fail(
             "window_sweep bytes per step",
             step_bytes,
             "the same bytes at every context",
@@ -259,7 +261,7 @@ def check_window_share(window_share: float, full_sweep: Sweep, window_sweep: Swe
     want = window_sweep.fit.slope / full_sweep.fit.slope
     slips = ((1 / want, "It is inverted: the window's slope over the full cache's."),)
     fix = "Not the share exercise 4 (section 4) asks for: use the fitted slopes of the sweeps the TPOT cell made."
-    _close("window_share", window_share, want, "a ratio of slopes", fix, True, rel=1e-6, slips=slips)
+    close_to("window_share", window_share, want, "a ratio of slopes", fix, True, rel=1e-6, slips=slips)
     tell("a flat window line beside a climbing full-cache line", window_reading(full_sweep, window_sweep))
 
 
@@ -297,9 +299,9 @@ def check_passkey_kept(
     """
     for context, depth, window, sinks in cases:
         label = f"passkey_kept(context={context}, depth={depth}, window={window}, sinks={sinks})"
-        got = _call(label, fn, context, depth, window, sinks)
+        got = call_learner(label, fn, context, depth, window, sinks)
         if not isinstance(got, (bool, torch.Tensor)) or (isinstance(got, torch.Tensor) and got.numel() != 1):
-            _fail(label, got, "True or False", "Return a bool.")
+            fail(label, got, "True or False", "Return a bool.")
         want = _passkey_kept(context, depth, window, sinks)
         if bool(got) != want:
             fix = (
@@ -309,7 +311,7 @@ def check_passkey_kept(
             at = depth * (context - 2)
             if round(at) != int(at) or round(at) != math.ceil(at):
                 fix += " The passkey's position is rounded to the nearest token (round()), not truncated or rounded up."
-            _fail(label, bool(got), "answer (True: kept)", fix, want, reveal)
+            fail(label, bool(got), "answer (True: kept)", fix, want, reveal)
 
 
 # -- exercise 5, measured: recall where kept, chance where evicted -------------------------------------------------
@@ -334,17 +336,17 @@ def check_recall_kept(
     """Your prediction ``kept[(window, sinks, depth)]`` for every cell of your measured ``recall[(window, sinks)]``
     (``needle_recall`` results, one per depth), right; and the recall high where kept, near chance where not."""
     if not isinstance(recall, Mapping) or not recall:
-        _fail("recall", type(recall).__name__, "a dict {(window, sinks): [NeedleResult, ...]}", "Pass the dict.")
+        fail("recall", type(recall).__name__, "a dict {(window, sinks): [NeedleResult, ...]}", "Pass the dict.")
     for (window, sinks), results in recall.items():
         for r in results:
             if not isinstance(r, NeedleResult):
-                _fail(f"recall[{window, sinks}]", type(r).__name__, "needle_recall's results", "Pass them as given.")
+                fail(f"recall[{window, sinks}]", type(r).__name__, "needle_recall's results", "Pass them as given.")
             key = (window, sinks, r.depth)
             if key not in kept:
-                _fail("kept", sorted(kept), f"a prediction for {key}", "Predict every (window, sinks, depth) cell.")
+                fail("kept", sorted(kept), f"a prediction for {key}", "Predict every (window, sinks, depth) cell.")
             want = _passkey_kept(r.context, r.depth, window, sinks)
             if bool(kept[key]) != want:
-                _fail(
+                fail(
                     f"kept[{key}]",
                     bool(kept[key]),
                     "the keep-set's answer",
@@ -353,14 +355,14 @@ def check_recall_kept(
                     want,
                 )
             if want and r.accuracy < KEPT_MIN_RECALL:
-                _fail(
+                fail(
                     f"recall at {key}",
                     r.accuracy,
                     f"at least {KEPT_MIN_RECALL} (the passkey is kept)",
                     "Run needle_recall with make_cache built from this same window and sinks.",
                 )
             if not want and r.accuracy > EVICTED_MAX_RECALL:
-                _fail(
+                fail(
                     f"recall at {key}",
                     r.accuracy,
                     f"at most {EVICTED_MAX_RECALL} (the passkey is evicted: only a guess can be right)",
@@ -379,7 +381,7 @@ def check_sink_gain(
     """``sink_gain[checkpoint][window][positions]``: window-only perplexity over window + sinks perplexity, from
     your table ``ppl[checkpoint][(window, sinks, positions)]``, for every window and checkpoint the table has."""
     if not isinstance(sink_gain, Mapping) or set(sink_gain) != set(ppl):
-        _fail("sink_gain", type(sink_gain).__name__, f"a dict keyed by {sorted(ppl)}", "One entry per checkpoint.")
+        fail("sink_gain", type(sink_gain).__name__, f"a dict keyed by {sorted(ppl)}", "One entry per checkpoint.")
     for name, table in ppl.items():
         for window, sinks, positions in table:
             if not sinks:
@@ -388,11 +390,11 @@ def check_sink_gain(
             try:
                 got = sink_gain[name][window][positions]
             except (KeyError, TypeError):
-                _fail(quantity, "missing", "a ratio", "Fill in every window and both position schemes.")
+                fail(quantity, "missing", "a ratio", "Fill in every window and both position schemes.")
             alone, with_sinks = table[(window, 0, "original")].ppl, table[(window, sinks, positions)].ppl
             slips = ((with_sinks / alone, "It is inverted: window-only perplexity over window + sinks perplexity."),)
             fix = "Not the gain exercise 6 (section 7) defines: check which two perplexities of ppl it compares."
-            _close(quantity, got, alone / with_sinks, "a ratio", fix, True, rel=1e-9, slips=slips)
+            close_to(quantity, got, alone / with_sinks, "a ratio", fix, True, rel=1e-9, slips=slips)
 
 
 # -- exercise 7: the longest distance a window shows ------------------------------------------------------------------
@@ -442,4 +444,4 @@ def check_largest_distance(
             ),
         )
         fix = "The newest query's position minus the oldest kept key's position, in the scheme asked."
-        _exact_int(label, _call(label, fn, n_seen, window, sinks, positions), want, "tokens", fix, reveal, slips)
+        exact_int(label, call_learner(label, fn, n_seen, window, sinks, positions), want, "tokens", fix, reveal, slips)

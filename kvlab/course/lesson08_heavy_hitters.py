@@ -13,7 +13,7 @@ import torch
 from kvlab.cache.base import CacheShape
 from kvlab.cache.policy.heavy_hitters import HeavyHitterKVCache
 from kvlab.cache.policy.window import WindowKVCache
-from kvlab.course.grading import _call, _close, _exact_int, _fail, _is_int, _is_real, _label
+from kvlab.course.grading import call_learner, close_to, config_label, exact_int, fail, is_int, is_real
 from kvlab.measure.session import Rebuild
 from kvlab.spec.config import ModelConfig
 from kvlab.spec.presets import get_model
@@ -28,7 +28,7 @@ __all__ = [
 
 
 # -- exercise 1: the keep rule --------------------------------------------------------------------------------------
-def _random_case(n: int, heavy: int, recent: int, seed: int, ties: bool = False) -> tuple:
+def random_case(n: int, heavy: int, recent: int, seed: int, ties: bool = False) -> tuple:
     """Scores and positions of ``n`` kept slots in shuffled slot order (as after evictions), the newest position,
     ``heavy`` and ``recent``. The ``recent`` newest positions are all there (H2O never evicts them); older ones have
     gaps where tokens were evicted. ``ties``: scores on a coarse grid, so that equal scores are common."""
@@ -44,10 +44,10 @@ def _random_case(n: int, heavy: int, recent: int, seed: int, ties: bool = False)
 
 
 _KEEP_CASES = (
-    _random_case(12, 4, 3, seed=1),
-    _random_case(40, 10, 6, seed=2),
-    _random_case(9, 3, 1, seed=3),  # only the newest is recent
-    _random_case(6, 4, 4, seed=4),  # fewer tokens than the budget: all stay
+    random_case(12, 4, 3, seed=1),
+    random_case(40, 10, 6, seed=2),
+    random_case(9, 3, 1, seed=3),  # only the newest is recent
+    random_case(6, 4, 4, seed=4),  # fewer tokens than the budget: all stay
     # Position newest - recent is present and scores low: a rule that counts it as recent keeps one token too many.
     ((5.0, 1.0, 1.0, 1.0, 1.0, 1.0, 9.0, 1.0), tuple(range(8)), 7, 2, 3),
 )
@@ -74,7 +74,7 @@ def _as_positions(got: Any) -> list[int] | None:
     if isinstance(got, (str, bytes, Mapping)) or not isinstance(got, Iterable):
         return None
     got = list(got)
-    return sorted(int(p) for p in got) if all(_is_int(p) for p in got) else None
+    return sorted(int(p) for p in got) if all(is_int(p) for p in got) else None
 
 
 def check_h2o_keep(
@@ -91,13 +91,13 @@ def check_h2o_keep(
     """
     for scores, positions, newest, heavy, recent in cases:
         label = f"h2o_keep({len(scores)} slots, newest={newest}, heavy={heavy}, recent={recent})"
-        got = _as_positions(_call(label, fn, list(scores), list(positions), newest, heavy, recent))
+        got = _as_positions(call_learner(label, fn, list(scores), list(positions), newest, heavy, recent))
         if got is None:
-            _fail(label, "not a collection of ints", "the kept positions (a list, set or tensor of ints)", _KEEP_FIX)
+            fail(label, "not a collection of ints", "the kept positions (a list, set or tensor of ints)", _KEEP_FIX)
         want = h2o_kept(scores, positions, newest, heavy, recent)
         if got == want or _keep_is_valid(got, scores, positions, newest, heavy, recent):
             continue
-        _fail(
+        fail(
             label, got, "positions", _KEEP_FIX + _keep_hint(got, scores, positions, newest, heavy, recent), want, reveal
         )
 
@@ -188,7 +188,9 @@ def check_h2o_bytes_per_step(
     every slot's score and int64 position (read to pick the token to evict).
     """
     for cfg, context, heavy, recent, batch in _bytes_models() if cases is None else cases:
-        label = f"h2o_bytes_per_step({_label(cfg)}, context={context}, heavy={heavy}, recent={recent}, batch={batch})"
+        label = (
+            f"h2o_bytes_per_step({config_label(cfg)}, context={context}, heavy={heavy}, recent={recent}, batch={batch})"
+        )
         want = HeavyHitterKVCache(_shape(cfg), batch, heavy=heavy, recent=recent).bytes_read_per_step(context)
         kv = WindowKVCache(_shape(cfg), batch, window=heavy + recent).bytes_read_per_step(context)
         rows = batch * cfg.n_layers * cfg.n_kv_heads
@@ -223,7 +225,7 @@ def check_h2o_bytes_per_step(
             "Count the K/V of the tokens the cache keeps, then H2O's own bookkeeping per sequence, layer and KV head: "
             "reread the exercise's list of what a step reads and writes, and from which context eviction starts."
         )
-        _exact_int(label, _call(label, fn, cfg, context, heavy, recent, batch), want, "bytes", fix, reveal, slips)
+        exact_int(label, call_learner(label, fn, cfg, context, heavy, recent, batch), want, "bytes", fix, reveal, slips)
 
 
 # -- exercise 3: the passkey's rank among the accumulated scores ----------------------------------------------------
@@ -235,12 +237,12 @@ def passkey_rank(scores: torch.Tensor, positions: torch.Tensor, position: int) -
     return 1 + int((scores > own).sum())
 
 
-def _rank_case(n: int, position_index: int, seed: int, ties: bool = False) -> tuple:
-    scores, positions, *_ = _random_case(n, 1, 1, seed, ties)
+def rank_case(n: int, position_index: int, seed: int, ties: bool = False) -> tuple:
+    scores, positions, *_ = random_case(n, 1, 1, seed, ties)
     return scores, positions, sorted(positions)[position_index]
 
 
-_RANK_CASES = (_rank_case(20, 5, seed=11), _rank_case(50, 0, seed=12), _rank_case(30, 29, seed=13, ties=True))
+_RANK_CASES = (rank_case(20, 5, seed=11), rank_case(50, 0, seed=12), rank_case(30, 29, seed=13, ties=True))
 
 
 def _rank_rows(cache: HeavyHitterKVCache) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
@@ -271,7 +273,7 @@ def check_passkey_rank(
     made_up = [(f"{len(s)} made-up slots", torch.tensor(s), torch.tensor(p), q) for s, p, q in cases]
     for where, scores, positions, pos in [*data, *made_up]:
         label = f"passkey_rank({where}, position={pos})"
-        got = _call(label, fn, scores, positions, pos)
+        got = call_learner(label, fn, scores, positions, pos)
         if isinstance(got, torch.Tensor) and got.numel() == 1:
             got = got.item()
         want = passkey_rank(scores, positions, pos)
@@ -286,7 +288,7 @@ def check_passkey_rank(
             ),
         )
         fix = "Not the rank exercise 3 (section 3) defines: find the slot of `position`; the top score is rank 1."
-        _exact_int(label, got, want, "rank (an int from 1)", fix, reveal, slips)
+        exact_int(label, got, want, "rank (an int from 1)", fix, reveal, slips)
 
 
 # -- exercise 4: the steps a rebuild needs to pay back -------------------------------------------------------------
@@ -310,11 +312,11 @@ def check_break_even_steps(
             f"break_even_steps(rebuild: {rebuild.seconds * 1e3:g} ms re-prefill, saves "
             f"{rebuild.kv_bytes_saved_per_step:,} B per step; {gbps:g} GB/s)"
         )
-        got = _call(label, fn, rebuild, gbps)
+        got = call_learner(label, fn, rebuild, gbps)
         want = rebuild.break_even_steps(gbps)
         if math.isinf(want):
-            if not (_is_real(got) and math.isinf(got) and got > 0):
-                _fail(label, got, "math.inf", "A step that saves no byte never repays the re-prefill: return math.inf.")
+            if not (is_real(got) and math.isinf(got) and got > 0):
+                fail(label, got, "math.inf", "A step that saves no byte never repays the re-prefill: return math.inf.")
             continue
         saved_s = rebuild.kv_bytes_saved_per_step / (gbps * 1e9)
         slips = (
@@ -326,7 +328,7 @@ def check_break_even_steps(
             (rebuild.seconds * 1e3 / saved_s, "It has the re-prefill in ms: use seconds."),
         )
         fix = "Not the break-even exercise 4 (section 4) defines: check the time a step saves; a float number of steps."
-        _close(label, got, want, "decode steps", fix, reveal, rel=1e-9, slips=slips)
+        close_to(label, got, want, "decode steps", fix, reveal, rel=1e-9, slips=slips)
 
 
 # -- exercise 5: the time a chat spent, re-prefill included ---------------------------------------------------------
@@ -336,7 +338,7 @@ def chat_time(turns: Sequence[Mapping[str, Any]]) -> tuple[float, float]:
     return reprefill + sum(t["prefill_ms"] + sum(t["decode_ms"]) for t in turns), reprefill
 
 
-def _made_up_turns(n: int, seed: int, rebuild_every: int) -> list[dict[str, Any]]:
+def made_up_turns(n: int, seed: int, rebuild_every: int) -> list[dict[str, Any]]:
     gen = torch.Generator().manual_seed(seed)
     turns = []
     for i in range(n):
@@ -352,7 +354,7 @@ def _made_up_turns(n: int, seed: int, rebuild_every: int) -> list[dict[str, Any]
     return turns
 
 
-_CHAT_CASES = (_made_up_turns(6, seed=21, rebuild_every=2), _made_up_turns(3, seed=22, rebuild_every=9))
+_CHAT_CASES = (made_up_turns(6, seed=21, rebuild_every=2), made_up_turns(3, seed=22, rebuild_every=9))
 
 
 def check_chat_time(
@@ -371,9 +373,9 @@ def check_chat_time(
     made_up = [(f"{len(turns)} made-up turns", turns) for turns in cases]
     for where, turns in [*data, *made_up]:
         label = f"chat_time({where})"
-        got = _call(label, fn, turns)
+        got = call_learner(label, fn, turns)
         if not (isinstance(got, Sequence) and len(got) == 2):
-            _fail(label, got, "a pair (total_ms, reprefill_ms)", "Return two numbers.")
+            fail(label, got, "a pair (total_ms, reprefill_ms)", "Return two numbers.")
         total, reprefill = chat_time(turns)
         slips = (
             (
@@ -383,6 +385,6 @@ def check_chat_time(
             (total - sum(t["prefill_ms"] for t in turns), "It leaves out the user messages' prefill."),
         )
         fix = "Add every piece of work each turn runs on the user's clock, in ms: reread what a turn holds."
-        _close(f"{label} total_ms", got[0], total, "ms", fix, reveal, rel=1e-9, slips=slips)
+        close_to(f"{label} total_ms", got[0], total, "ms", fix, reveal, rel=1e-9, slips=slips)
         fix = "Only the rebuilds' part of that time, over all turns."
-        _close(f"{label} reprefill_ms", got[1], reprefill, "ms", fix, reveal, rel=1e-9)
+        close_to(f"{label} reprefill_ms", got[1], reprefill, "ms", fix, reveal, rel=1e-9)

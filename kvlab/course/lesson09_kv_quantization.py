@@ -14,7 +14,17 @@ import torch
 from kvlab.cache.base import CacheShape
 from kvlab.cache.codec.codecs import IntCodec, get_codec
 from kvlab.cache.codec.kivi import ATTENTION_PATHS, KEY_QUANT, QuantizedKVCache
-from kvlab.course.grading import _call, _close, _exact_int, _fail, _is_real, _label, _timed_together
+from kvlab.course.grading import (
+    call_learner,
+    check_slope_ratios,
+    close_to,
+    config_label,
+    exact_int,
+    fail,
+    is_real,
+    slopes_over,
+    timed_together,
+)
 from kvlab.course.measured import Reading, reading, tell
 from kvlab.kernels.reference import decode_attention
 from kvlab.measure.sweep import Sweep
@@ -119,11 +129,11 @@ def _reference_roundtrip(x: torch.Tensor, bits: int, group_size: int, dim: int) 
 
 def _check_tensor(label: str, got: Any, shape: tuple[int, ...], what: str, fix: str) -> torch.Tensor:
     if not isinstance(got, torch.Tensor):
-        _fail(label, type(got).__name__, f"a torch.Tensor ({what})", fix)
+        fail(label, type(got).__name__, f"a torch.Tensor ({what})", fix)
     if tuple(got.shape) != shape:
-        _fail(f"{label} shape", tuple(got.shape), f"{shape} ({what})", fix)
+        fail(f"{label} shape", tuple(got.shape), f"{shape} ({what})", fix)
     if not torch.isfinite(got.float()).all():
-        _fail(
+        fail(
             label,
             "a tensor with NaN or inf",
             "finite values",
@@ -135,9 +145,9 @@ def _check_tensor(label: str, got: Any, shape: tuple[int, ...], what: str, fix: 
 
 def _check_quantize_case(quantize: Callable, x: torch.Tensor, bits: int, group_size: int, dim: int) -> None:
     label = f"quantize(x of shape {tuple(x.shape)}, bits={bits}, group_size={group_size}, dim={dim})"
-    out = _call(label, quantize, x.clone(), bits, group_size, dim)
+    out = call_learner(label, quantize, x.clone(), bits, group_size, dim)
     if not (isinstance(out, Sequence) and len(out) == 3):
-        _fail(label, type(out).__name__, "a tuple (codes, scale, zero)", "Return the three tensors.")
+        fail(label, type(out).__name__, "a tuple (codes, scale, zero)", "Return the three tensors.")
     d = dim % x.dim()
     qmax = 2**bits - 1
     stats_shape = tuple(x.shape[:d]) + (x.shape[d] // group_size,) + tuple(x.shape[d + 1 :])
@@ -152,7 +162,7 @@ def _check_quantize_case(quantize: Callable, x: torch.Tensor, bits: int, group_s
     if not torch.equal(c, c.round()) or c.min() < 0 or c.max() > qmax:
         # A NaN (0 / 0 in a group of equal values) turns into a huge negative integer when cast to int.
         constant = " A group of equal values has range 0: floor the scale (clamp_min) so it never divides by 0."
-        _fail(
+        fail(
             f"{label} codes",
             f"values from {c.min().item():g} to {c.max().item():g}",
             f"integers in [0, {qmax}] (2**bits - 1 = {qmax})",
@@ -167,7 +177,7 @@ def _check_quantize_case(quantize: Callable, x: torch.Tensor, bits: int, group_s
         slip = ""
         if torch.allclose(zero.float(), torch.zeros_like(lo)):
             slip = " It is 0: that is symmetric quantization; this one is asymmetric, zero = the group's min."
-        _fail(
+        fail(
             f"{label} zero",
             "not each group's minimum",
             "zero = the minimum of each group",
@@ -177,7 +187,7 @@ def _check_quantize_case(quantize: Callable, x: torch.Tensor, bits: int, group_s
         slip = ""
         if torch.allclose(scale.float(), (hi - lo) / 2**bits, rtol=1e-5):
             slip = " It is (max - min) / 2**bits: the largest code is 2**bits - 1, so divide by that."
-        _fail(
+        fail(
             f"{label} scale",
             "not each group's step between codes",
             "the step that maps code 2**bits - 1 to the group's max",
@@ -189,7 +199,7 @@ def _check_quantize_case(quantize: Callable, x: torch.Tensor, bits: int, group_s
     err = (x_hat - x).abs()
     bound = _expand(scale.float(), group_size, d) / 2 + tol
     if (err > bound).any():
-        _fail(
+        fail(
             f"{label} codes",
             f"decoded (scale x code + zero) up to {(err / bound).max().item():.2f} x (scale / 2) from x",
             "every element within scale / 2 of x (rounding to the nearest code)",
@@ -197,7 +207,7 @@ def _check_quantize_case(quantize: Callable, x: torch.Tensor, bits: int, group_s
         )
     hat_lo, hat_hi = _grouped_stats(x_hat, group_size, d)
     if not (torch.allclose(hat_lo, lo, rtol=0, atol=tol) and torch.allclose(hat_hi, hi, rtol=0, atol=tol)):
-        _fail(
+        fail(
             f"{label} codes",
             "each group's min or max not on a code",
             "code 0 at the group's min and code 2**bits - 1 at its max",
@@ -245,11 +255,11 @@ def check_quantize(
         _check_quantize_case(fn, _case_tensor(shape, seed), bits, group_size, dim)
     for x, bits, group_size, dim in _grid_cases():
         label = f"quantize(x of shape {tuple(x.shape)}, bits={bits}, group_size={group_size}, dim={dim}) codes"
-        codes = _call(label, fn, x.clone(), bits, group_size, dim)[0]
+        codes = call_learner(label, fn, x.clone(), bits, group_size, dim)[0]
         codec = IntCodec(bits)
         kvlab_codes = codec.codes(codec.encode(x, dim, group_size)).long() + codec.offset
         if not torch.equal(codes.double().round().long(), kvlab_codes):
-            _fail(
+            fail(
                 label,
                 "codes unlike kvlab's IntCodec",
                 "the codes kvlab.cache.codec.codecs.IntCodec stores (u, before its int8 offset of 128)",
@@ -262,8 +272,8 @@ def check_quantize(
     except ValueError:
         return
     except Exception as e:  # noqa: BLE001 - any other exception is the learner's to fix
-        _fail(label, f"{type(e).__name__}: {e}", "a ValueError", _RAGGED_FIX)
-    _fail(label, "no error", "a ValueError (40 is not a multiple of 16)", _RAGGED_FIX)
+        fail(label, f"{type(e).__name__}: {e}", "a ValueError", _RAGGED_FIX)
+    fail(label, "no error", "a ValueError (40 is not a multiple of 16)", _RAGGED_FIX)
 
 
 _RAGGED_FIX = "When group_size does not divide x.shape[dim], raise ValueError naming group_size and the length."
@@ -290,7 +300,7 @@ def check_dequantize(
             "Each group's scale and zero must cover its own group_size consecutive elements along dim: see exercise "
             "2's text in section 1."
         )
-        got = _call(label, fn, codes.clone(), scale.clone(), zero.clone(), group_size, dim)
+        got = call_learner(label, fn, codes.clone(), scale.clone(), zero.clone(), group_size, dim)
         x_hat = _check_tensor(label, got, tuple(shape), "x reconstructed", fix)
         want = _reference_dequantize(codes, scale, zero, group_size, dim)
         tol = 1e-5 * (x.abs().max().item() + 1)
@@ -305,7 +315,7 @@ def check_dequantize(
                     " It tiles the statistics (repeat) where each must cover its own group's consecutive elements "
                     "(repeat_interleave, or unflatten dim into (groups, group_size))."
                 )
-            _fail(
+            fail(
                 label,
                 f"up to {(x_hat.float() - want).abs().max().item():.3g} from scale x code + zero",
                 "each element its group's scale x code + zero",
@@ -358,7 +368,7 @@ def check_quantized_bytes(
     """
     for shape, codec, group_size, group_dim in cases:
         label = f"quantized_bytes({tuple(shape)}, {codec!r}, group_size={group_size}, group_dim={group_dim})"
-        got = _call(label, fn, tuple(shape), codec, group_size, group_dim)
+        got = call_learner(label, fn, tuple(shape), codec, group_size, group_dim)
         want = get_codec(codec).stored_bytes(tuple(shape), group_dim, group_size)
         d = group_dim % len(shape)
         bits, stats = (4 if codec == "int4" else 8), _STATS[codec]
@@ -406,7 +416,7 @@ def check_quantized_bytes(
             "Section 2 (exercise 3's text) lists what kvlab stores for a tensor: the codes, packed as the codec "
             "packs them, and each group's statistics; check how many groups and bytes of each you count."
         )
-        _exact_int(label, got, want, "bytes", fix, reveal, slips)
+        exact_int(label, got, want, "bytes", fix, reveal, slips)
 
 
 # -- exercise 3: what a KIVI cache stores, and what a step reads ------------------------------------------------------
@@ -460,12 +470,12 @@ def check_kivi_bytes(
         if attention not in ATTENTION_PATHS[:2]:
             raise ValueError(f"cases: attention {attention!r}; allowed: 'chunked', 'naive'")
         label = (
-            f"kivi_bytes({_label(cfg)}, context={context}, {codec!r}, group_size={group_size}, residual={residual}, "
-            f"batch={batch}, {attention!r})"
+            f"kivi_bytes({config_label(cfg)}, context={context}, {codec!r}, group_size={group_size}, "
+            f"residual={residual}, batch={batch}, {attention!r})"
         )
-        got = _call(label, fn, cfg, context, codec, group_size, residual, batch, attention)
+        got = call_learner(label, fn, cfg, context, codec, group_size, residual, batch, attention)
         if not (isinstance(got, Sequence) and len(got) == 2):
-            _fail(label, got, "a pair (bytes_stored, bytes_read)", "Return two ints.")
+            fail(label, got, "a pair (bytes_stored, bytes_read)", "Return two ints.")
         stored, read = _kivi_expected(cfg, context, codec, group_size, residual, batch, attention)
         full = kv_bytes_per_step(cfg, context, batch)
         n_quant = max(context - residual, 0)
@@ -490,7 +500,7 @@ def check_kivi_bytes(
             "Section 2 (exercise 4's text) says which tokens a KIVI cache quantizes, how it groups keys and values, "
             "and which tokens it keeps at cfg.dtype; count both parts, for every layer and sequence."
         )
-        _exact_int(f"{label} bytes_stored", got[0], stored, "bytes", fix, reveal, slips)
+        exact_int(f"{label} bytes_stored", got[0], stored, "bytes", fix, reveal, slips)
         copy = 2 * cfg.n_layers * batch * cfg.n_kv_heads * context * cfg.head_dim * 4
         read_slips = (
             (stored, "The naive path reads the stored bytes and also writes an fp32 copy and reads it back."),
@@ -500,9 +510,7 @@ def check_kivi_bytes(
             f"The bytes the {attention!r} path moves in one step: section 2 (exercise 4's text) says what each "
             "attention path reads, and what the 'naive' one writes besides."
         )
-        _exact_int(
-            f"{label} bytes_read", got[1], read, "bytes", fix, reveal, read_slips if attention == "naive" else ()
-        )
+        exact_int(f"{label} bytes_read", got[1], read, "bytes", fix, reveal, read_slips if attention == "naive" else ())
 
 
 _NO_RESIDUAL = "It keeps no recent tokens exact: the newest `residual` tokens (and a partial group) stay at cfg.dtype."
@@ -548,17 +556,13 @@ _BASELINE = "fp32"
 def _check_codec_sweeps(sweeps: Any, name: str = "sweeps") -> None:
     fix = "Pass the dict the timing cell made: {'fp32': Sweep, 'fp8': Sweep, ...}, timed together."
     if not isinstance(sweeps, Mapping) or _BASELINE not in sweeps or len(sweeps) < 2:
-        _fail(name, type(sweeps).__name__, "a dict of sweeps with an 'fp32' entry and at least one codec", fix)
-    _timed_together({f"{name}[{key!r}]": sweep for key, sweep in sweeps.items()}, fix)
-    contexts = [p.context for p in sweeps[_BASELINE].points]
-    for key, sweep in sweeps.items():
-        if [p.context for p in sweep.points] != contexts:
-            _fail(f"{name}[{key!r}] contexts", [p.context for p in sweep.points], f"{contexts}", "Sweep one list.")
+        fail(name, type(sweeps).__name__, "a dict of sweeps with an 'fp32' entry and at least one codec", fix)
+    # fp32 first, so that a mismatch is named against it
+    timed_together({f"{name}[{key!r}]": sweeps[key] for key in (_BASELINE, *sweeps)}, fix)
 
 
 def _over_fp32(sweeps: Mapping[str, Sweep]) -> dict[str, float]:
-    base = sweeps[_BASELINE].fit.slope
-    return {key: sweep.fit.slope / base for key, sweep in sweeps.items() if key != _BASELINE}
+    return {key: ratio for key, ratio in slopes_over(sweeps, _BASELINE).items() if key != _BASELINE}
 
 
 def codec_reading(sweeps: Mapping[str, Sweep]) -> Reading:
@@ -603,30 +607,8 @@ def check_codec_slopes(slope_ratios: Mapping[str, float], sweeps: Mapping[str, S
     arithmetic alone; ``codec_reading`` says whether the sweeps could be read, and ``codec_contradiction`` whether a
     readable run contradicts section 3."""
     _check_codec_sweeps(sweeps)
-    if not isinstance(slope_ratios, Mapping) or set(slope_ratios) != set(sweeps):
-        keys = sorted(slope_ratios) if isinstance(slope_ratios, Mapping) else type(slope_ratios).__name__
-        _fail(
-            "slope_ratios",
-            keys,
-            f"a dict with the sweeps' keys {sorted(sweeps)}",
-            "One ratio per cache, fp32's own included.",
-        )
-    base = sweeps[_BASELINE]
-    for key, sweep in sweeps.items():
-        ratio = sweep.fit.slope / base.fit.slope
-        slips = (
-            (1 / ratio, "It is inverted: the codec's slope over fp32's, not fp32's over the codec's."),
-            (
-                sweep.kv_bytes_per_token / base.kv_bytes_per_token,
-                "It is the byte ratio, the prediction: divide the measured slopes (sweep.fit.slope).",
-            ),
-            (
-                sweep.fit.intercept / base.fit.intercept,
-                "It divides the intercepts: the slope (sweep.fit.slope) is what the KV bytes set.",
-            ),
-        )
-        fix = "Not the ratio exercise 5 (section 3) asks for: use the fitted slopes of the sweeps the timing cell made."
-        _close(f"slope_ratios[{key!r}]", slope_ratios[key], ratio, "a ratio", fix, True, rel=1e-6, slips=slips)
+    fix = "Not the ratio exercise 5 (section 3) asks for: use the fitted slopes of the sweeps the timing cell made."
+    check_slope_ratios("slope_ratios", slope_ratios, sweeps, _BASELINE, fix, "cache", "fp32")
     tell("a readable comparison with fp32's line", codec_reading(sweeps))
     contradiction = codec_contradiction(sweeps)
     if contradiction:
@@ -651,10 +633,10 @@ def check_fp8_kv_tpot(
     the weights stay in their checkpoint dtype either way.
     """
     for cfg, context, gbps in _fp8_cases() if cases is None else cases:
-        label = f"fp8_kv_tpot({_label(cfg)}, context={context}, bandwidth_gbps={gbps})"
-        got = _call(label, fn, cfg, context, gbps)
+        label = f"fp8_kv_tpot({config_label(cfg)}, context={context}, bandwidth_gbps={gbps})"
+        got = call_learner(label, fn, cfg, context, gbps)
         if not (isinstance(got, Sequence) and len(got) == 2):
-            _fail(label, got, "a pair (bf16_ms, fp8_ms)", "Return two floats in ms.")
+            fail(label, got, "a pair (bf16_ms, fp8_ms)", "Return two floats in ms.")
         weights = weight_bytes_read(cfg)
         for i, kv_dtype in enumerate(("bf16", "fp8")):
             kv = kv_bytes_per_step(cfg, context, kv_dtype=kv_dtype)
@@ -675,11 +657,11 @@ def check_fp8_kv_tpot(
                 f"Section 5 (exercise 6's text) says which bytes a bandwidth-bound step reads with a {kv_dtype} "
                 "cache; roofline's functions named there count them, and predict_tpot_ms turns bytes into ms."
             )
-            _close(f"{label} {kv_dtype}_ms", got[i], want, "ms", fix, reveal, slips=slips if i else slips[:2])
+            close_to(f"{label} {kv_dtype}_ms", got[i], want, "ms", fix, reveal, slips=slips if i else slips[:2])
 
 
 # -- exercise 6: the attention error of a KIVI cache -----------------------------------------------------------------
-def _error_case(
+def error_case(
     seed: int, shape: tuple[int, int, int, int, int], bits: int, group_size: int, key_quant: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, str]:
     """Decode attention data, ``shape`` = (B, Hkv, G, S, D), with two outlier key channels (12x), so that keys
@@ -693,10 +675,10 @@ def _error_case(
 
 def _error_cases() -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, str], ...]:
     return (
-        _error_case(10, (1, 2, 2, 256, 64), 4, 32, "per-channel"),
-        _error_case(11, (1, 2, 2, 256, 64), 4, 32, "per-token"),
-        _error_case(12, (2, 1, 4, 128, 32), 8, 16, "per-channel"),
-        _error_case(13, (1, 2, 1, 192, 64), 2, 64, "per-token"),
+        error_case(10, (1, 2, 2, 256, 64), 4, 32, "per-channel"),
+        error_case(11, (1, 2, 2, 256, 64), 4, 32, "per-token"),
+        error_case(12, (2, 1, 4, 128, 32), 8, 16, "per-channel"),
+        error_case(13, (1, 2, 1, 192, 64), 2, 64, "per-token"),
     )
 
 
@@ -729,7 +711,7 @@ def check_kivi_error(
         if key_quant not in KEY_QUANT:
             raise ValueError(f"cases: key_quant {key_quant!r}; allowed: {', '.join(KEY_QUANT)}")
         label = f"kivi_error(q {tuple(q.shape)}, k/v {tuple(k.shape)}, bits={bits}, group_size={size}, {key_quant!r})"
-        got = _call(label, fn, q.clone(), k.clone(), v.clone(), bits, size, key_quant)
+        got = call_learner(label, fn, q.clone(), k.clone(), v.clone(), bits, size, key_quant)
         if isinstance(got, torch.Tensor) and got.numel() == 1:
             got = got.item()
         key_dim = _KEY_DIM[key_quant]
@@ -754,8 +736,8 @@ def check_kivi_error(
             "Section 6 (exercise 7's text) says how K and V are each grouped, what attention to run on the "
             "dequantized cache, and which relative error to return; use your quantize and dequantize."
         )
-        if _is_real(got) and math.isfinite(got) and not math.isclose(got, want, rel_tol=1e-3) and reveal:
+        if is_real(got) and math.isfinite(got) and not math.isclose(got, want, rel_tol=1e-3) and reveal:
             # The slips are computed in fp32 as the answer is, so they match it to rounding, not to the last bit.
             named = next((slip for value, slip in slips if math.isclose(got, value, rel_tol=1e-3)), "")
             fix = f"{fix} {named}".rstrip()
-        _close(label, got, want, "a relative error", fix, reveal, rel=1e-3)
+        close_to(label, got, want, "a relative error", fix, reveal, rel=1e-3)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from kvlab.course.grading import _call, _close, _fail, _is_int, _is_real, _label
+from kvlab.course.grading import call_learner, close_to, config_label, fail, is_int, is_real
 from kvlab.engine.speculative import SpeculativeResult, accept_greedy
 from kvlab.roofline import (
     decode_flops,
@@ -88,12 +88,12 @@ def check_accept_greedy(
         logits, drafts = _accept_case(*case)
         want_n, want_next = accept_greedy(logits, drafts)
         label = f"accept_greedy(logits {tuple(logits.shape)}, drafts {drafts})"
-        got = _call(label, fn, logits.clone(), list(drafts))
+        got = call_learner(label, fn, logits.clone(), list(drafts))
         if not (isinstance(got, Sequence) and len(got) == 2):
-            _fail(label, got, "a tuple (n_accepted, next_token)", "Return the two ints.")
+            fail(label, got, "a tuple (n_accepted, next_token)", "Return the two ints.")
         for name, value in zip(("n_accepted", "next_token"), got, strict=True):
-            if not _is_int(value):
-                _fail(f"{label} {name}", value, f"a Python int, not a {type(value).__name__}", "Use int(...).")
+            if not is_int(value):
+                fail(f"{label} {name}", value, f"a Python int, not a {type(value).__name__}", "Use int(...).")
         n, nxt = got
         best = logits.argmax(-1).tolist()
         if n != want_n:
@@ -109,14 +109,14 @@ def check_accept_greedy(
                 slip = " It counts every draft equal to its row's argmax: stop at the first one that differs."
             elif reveal and n == want_n + 1:
                 slip = " It is one too many: the first draft that differs is rejected, not kept."
-            _fail(f"{label} n_accepted", n, "number of drafts kept", _ACCEPT_FIX + slip, want_n, reveal)
+            fail(f"{label} n_accepted", n, "number of drafts kept", _ACCEPT_FIX + slip, want_n, reveal)
         if nxt != want_next:
             slip = ""
             if reveal and want_n > 0 and nxt == best[want_n - 1]:
                 slip = " It is the argmax of row n_accepted - 1: row i predicts the token at draft position i."
             elif reveal and want_n < len(drafts) and nxt == drafts[want_n]:
                 slip = " It is the rejected draft itself: the target's own choice replaces it."
-            _fail(f"{label} next_token", nxt, "token id", _ACCEPT_FIX + slip, want_next, reveal)
+            fail(f"{label} next_token", nxt, "token id", _ACCEPT_FIX + slip, want_next, reveal)
 
 
 # -- exercise 2: expected tokens per verify step ----------------------------------------------------------------------
@@ -133,7 +133,7 @@ def check_expected_tokens(
         label = f"expected_tokens(a={a}, k={k})"
         fix = "Not the expected tokens section 2 derives: draft i is kept only if every draft before it was."
         try:
-            got = _call(label, fn, a, k)
+            got = call_learner(label, fn, a, k)
         except AssertionError as e:
             if a == 1:
                 raise AssertionError(
@@ -146,7 +146,7 @@ def check_expected_tokens(
             (1 + k * a, "It is 1 + k a: draft i survives only if every draft before it did, so a^i, not a."),
             (want - a**k, "It stops at a^(k-1): there are k drafts, so the sum runs to a^k."),
         )
-        _close(label, got, want, "tokens per step", fix, reveal, slips=slips if a not in (0, 1) and k else ())
+        close_to(label, got, want, "tokens per step", fix, reveal, slips=slips if a not in (0, 1) and k else ())
 
 
 # -- exercise 3: the per-draft acceptance from counts -----------------------------------------------------------------
@@ -192,7 +192,7 @@ def check_acceptance_estimate(
         if not ref.accepted + ref.rejections:
             continue
         label = f"acceptance_estimate({list(accepted)[:8]}{'...' if len(accepted) > 8 else ''}, ...)"
-        got = _call(label, fn, list(accepted), list(proposed))
+        got = call_learner(label, fn, list(accepted), list(proposed))
         k = max(proposed)
         short = sum(a < k for a in accepted)
         slips = (
@@ -204,7 +204,7 @@ def check_acceptance_estimate(
             ),
         )
         fix = "Not the per-draft a exercise 3 (section 3) defines: each rejection is one draft judged and refused."
-        _close(label, got, ref.acceptance_per_draft, "acceptance (a fraction)", fix, reveal, rel=1e-9, slips=slips)
+        close_to(label, got, ref.acceptance_per_draft, "acceptance (a fraction)", fix, reveal, rel=1e-9, slips=slips)
 
 
 # -- exercise 4: the byte model ---------------------------------------------------------------------------------------
@@ -227,9 +227,9 @@ def check_byte_speedup(
     yields ``expected_tokens(a, k)`` tokens; the speedup is plain decoding's bytes per token over that."""
     for target, draft, k, a in cases:
         label = f"byte_speedup(target_bytes={target:,}, draft_bytes={draft:,}, k={k}, a={a})"
-        got = _call(label, fn, target, draft, k, a)
+        got = call_learner(label, fn, target, draft, k, a)
         if not (isinstance(got, Sequence) and len(got) == 2):
-            _fail(label, got, "a tuple (bytes_per_token, speedup)", "Return the two numbers.")
+            fail(label, got, "a tuple (bytes_per_token, speedup)", "Return the two numbers.")
         ref = predict_speculative(target, k, a, 1.0, draft)
         tokens = ref.tokens_per_step
         fix = "Not the bytes per token exercise 4 (section 4) defines: check what a round reads, and what it yields."
@@ -238,9 +238,9 @@ def check_byte_speedup(
             (target / tokens, "It leaves out the draft's bytes: each of the k draft steps reads them."),
             (ref.bytes_per_round / (k + 1), "It divides by k + 1, as if every draft were kept: use expected tokens."),
         )
-        _close(f"{label} bytes_per_token", got[0], ref.bytes_per_token, "bytes", fix, reveal, slips=slips)
+        close_to(f"{label} bytes_per_token", got[0], ref.bytes_per_token, "bytes", fix, reveal, slips=slips)
         fix = "Not the speedup exercise 4 (section 4) defines: compare with plain decoding's bytes per token."
-        _close(
+        close_to(
             f"{label} speedup",
             got[1],
             ref.speedup,
@@ -279,7 +279,7 @@ def check_refined_speedup(
     and on ``own``: your measurements, as ``(a, k, verify_ms, draft_ms)`` (consistency, no band)."""
     for a, k, verify, draft in [*own, *cases]:
         label = f"refined_speedup(a={a:.4g}, k={k}, verify_ms={{1: {verify[1]:.4g}, ...}}, draft_ms={draft:.4g})"
-        got = _call(label, fn, a, k, dict(verify), draft)
+        got = call_learner(label, fn, a, k, dict(verify), draft)
         want = _refined_speedup(a, k, verify, draft)
         tokens = expected_tokens_per_step(a, k)
         slips = (
@@ -289,7 +289,7 @@ def check_refined_speedup(
             (tokens * verify[1] / (verify[k] + k * draft), "It uses T(k): a verify step runs k + 1 positions."),
         )
         fix = "Not the speedup exercise 5 (section 5) defines: check what a round costs, and its tokens."
-        _close(label, got, want, "x (a ratio)", fix, reveal, rel=1e-9, slips=slips)
+        close_to(label, got, want, "x (a ratio)", fix, reveal, rel=1e-9, slips=slips)
 
 
 # -- exercise 6: a real pair on a GPU's roofline, against batch --------------------------------------------------------
@@ -334,10 +334,12 @@ def check_spec_roofline(
         target = get_model(target) if isinstance(target, str) else target
         draft = get_model(draft) if isinstance(draft, str) else draft
         gpu = get_gpu(gpu) if isinstance(gpu, str) else gpu
-        label = f"spec_roofline({_label(target)}, {draft.name}, {gpu.name}, batch={batch}, context={context}, k={k})"
-        got = _call(label, fn, target, draft, gpu, batch, context, k, a)
-        if not (isinstance(got, Sequence) and len(got) == 2 and all(_is_real(x) for x in got)):
-            _fail(label, got, "a tuple of two numbers (plain_ms, spec_ms)", "Return the two times in ms.")
+        label = (
+            f"spec_roofline({config_label(target)}, {draft.name}, {gpu.name}, batch={batch}, context={context}, k={k})"
+        )
+        got = call_learner(label, fn, target, draft, gpu, batch, context, k, a)
+        if not (isinstance(got, Sequence) and len(got) == 2 and all(is_real(x) for x in got)):
+            fail(label, got, "a tuple of two numbers (plain_ms, spec_ms)", "Return the two times in ms.")
         plain, verify, one_draft = _roofline_steps(target, draft, gpu, batch, context, k)
         tokens = expected_tokens_per_step(a, k)
         fix = (
@@ -349,7 +351,7 @@ def check_spec_roofline(
             "It reads the weights as a batch of 1 does: pass batch=batch to weight_bytes_read (each sequence reads "
             "its own rows of an untied input embedding).",
         )
-        _close(
+        close_to(
             f"{label} plain_ms",
             got[0],
             plain,
@@ -369,4 +371,4 @@ def check_spec_roofline(
             ((verify + k * one_draft) / (k + 1), "It divides by k + 1: use expected_tokens(a, k)."),
         )
         fix = "Speculative: check what a round runs, and how many tokens it yields. " + fix
-        _close(f"{label} spec_ms", got[1], (verify + k * one_draft) / tokens, "ms", fix, reveal, slips=slips)
+        close_to(f"{label} spec_ms", got[1], (verify + k * one_draft) / tokens, "ms", fix, reveal, slips=slips)

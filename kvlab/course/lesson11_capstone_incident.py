@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from kvlab.course.grading import _call, _close, _exact_int, _fail, _is_real, _label
+from kvlab.course.grading import call_learner, close_to, config_label, exact_int, fail, is_real
 from kvlab.course.incident import INCIDENT, PUBLIC_SEEDS, Fix, Incident, pool_tokens
 from kvlab.model.decoder import Decoder
 from kvlab.roofline import kv_bytes_per_step, kv_bytes_per_token, weight_bytes_read
@@ -36,12 +36,12 @@ def check_pool_tokens(fn: Callable, cases: Sequence[tuple] = _POOL_CASES, reveal
     """``fn(cfg, gpu, kv_dtype, utilization)``: the tokens of K/V that fit beside the weights, an exact int."""
     for model, gpu, kv_dtype, utilization in cases:
         cfg, spec = _model(model), get_gpu(gpu) if isinstance(gpu, str) else gpu
-        quantity = f"pool_tokens({_label(cfg)}, {spec.name}, kv_dtype={kv_dtype!r}, utilization={utilization})"
-        got = _call(quantity, fn, cfg, spec, kv_dtype, utilization)
+        quantity = f"pool_tokens({config_label(cfg)}, {spec.name}, kv_dtype={kv_dtype!r}, utilization={utilization})"
+        got = call_learner(quantity, fn, cfg, spec, kv_dtype, utilization)
         want = pool_tokens(cfg, spec, kv_dtype, utilization)
         # The slip the lesson's playtest made: the whole memory over the KV per token, the weights left in.
         no_weights = math.floor(utilization * spec.memory_gb * 1e9 / kv_bytes_per_token(cfg, kv_dtype))
-        _exact_int(
+        exact_int(
             quantity,
             got,
             want,
@@ -76,13 +76,15 @@ def check_step_terms(fn: Callable, cases: Sequence[tuple] = _STEP_CASES, reveal:
     over a batch at those contexts reads, each term exact."""
     for model, contexts, kv_dtype, window, sinks in cases:
         cfg = _model(model)
-        quantity = f"step_terms({_label(cfg)}, contexts={list(contexts)}, {kv_dtype!r}, window={window}, sinks={sinks})"
-        got = _call(quantity, fn, cfg, list(contexts), kv_dtype, window, sinks)
+        quantity = (
+            f"step_terms({config_label(cfg)}, contexts={list(contexts)}, {kv_dtype!r}, window={window}, sinks={sinks})"
+        )
+        got = call_learner(quantity, fn, cfg, list(contexts), kv_dtype, window, sinks)
         if not isinstance(got, Mapping) or set(got) != set(TERMS):
-            _fail(quantity, got, f"a dict with exactly the keys {list(TERMS)}", "Return {'weights': ..., 'kv': ...}.")
+            fail(quantity, got, f"a dict with exactly the keys {list(TERMS)}", "Return {'weights': ..., 'kv': ...}.")
         want = step_terms(cfg, contexts, kv_dtype, window, sinks)
         per_row_once = kv_bytes_per_step(cfg, max(contexts), len(contexts), kv_dtype, window, sinks)
-        _exact_int(
+        exact_int(
             f"{quantity}['weights']",
             got["weights"],
             want["weights"],
@@ -92,7 +94,7 @@ def check_step_terms(fn: Callable, cases: Sequence[tuple] = _STEP_CASES, reveal:
             reveal,
             slips=((weight_bytes_read(cfg, batch=1) * len(contexts), "Each row does not read the weights again."),),
         )
-        _exact_int(
+        exact_int(
             f"{quantity}['kv']",
             got["kv"],
             want["kv"],
@@ -124,16 +126,16 @@ def check_grown_term(fn: Callable, cases: Sequence[tuple] = _GROWN_CASES, reveal
     (``"weights"`` or ``"kv"``), and that ratio."""
     for early, late in cases:
         quantity = f"grown_term({dict(early)}, {dict(late)})"
-        got = _call(quantity, fn, dict(early), dict(late))
+        got = call_learner(quantity, fn, dict(early), dict(late))
         if not isinstance(got, tuple) or len(got) != 2:
-            _fail(quantity, got, "a tuple (term, ratio)", "Return the term's name and its late / early ratio.")
+            fail(quantity, got, "a tuple (term, ratio)", "Return the term's name and its late / early ratio.")
         want_term, want_ratio = grown_term(early, late)
         if got[0] not in TERMS:
-            _fail(f"{quantity}[0]", got[0], f"one of {list(TERMS)}", "Name the term by its key.")
+            fail(f"{quantity}[0]", got[0], f"one of {list(TERMS)}", "Name the term by its key.")
         if got[0] != want_term:
             # With two terms the wrong one is also the one an inverted ratio picks; the ratio returned tells the
             # slips apart.
-            ratio = got[1] if _is_real(got[1]) else math.nan
+            ratio = got[1] if is_real(got[1]) else math.nan
             by_size = {max(TERMS, key=lambda t: late[t]), max(TERMS, key=lambda t: late[t] - early[t])}
             if got[0] in by_size and math.isclose(ratio, late[got[0]] / early[got[0]], rel_tol=1e-6):
                 # Picked by size late or by bytes added (with two terms, a case that tells either from the ratio
@@ -146,8 +148,8 @@ def check_grown_term(fn: Callable, cases: Sequence[tuple] = _GROWN_CASES, reveal
                 slip = "Divide late by early, not early by late."
             else:
                 slip = "Compare ratios (late / early), not differences: a term can add more bytes and still grow less."
-            _fail(f"{quantity}[0]", got[0], "term", slip, want_term, reveal)
-        _close(f"{quantity}[1]", got[1], want_ratio, "x", "The ratio is late / early of that term.", reveal)
+            fail(f"{quantity}[0]", got[0], "term", slip, want_term, reveal)
+        close_to(f"{quantity}[1]", got[1], want_ratio, "x", "The ratio is late / early of that term.", reveal)
 
 
 # -- exercise 4: the fix --------------------------------------------------------------------------------------------
@@ -164,7 +166,7 @@ def check_fix(
     missed (the SLOs and floors are the lesson's own public numbers), but not the measurements on its traces.
     """
     if not isinstance(fix, Fix):
-        _fail("fix", fix, "a kvlab.course.incident.Fix", "Build it with Fix(prefix_caching=..., kv_dtype=..., ...).")
+        fail("fix", fix, "a kvlab.course.incident.Fix", "Build it with Fix(prefix_caching=..., kv_dtype=..., ...).")
     try:
         verdict = incident.judge(fix, seeds, model)
     except ValueError as e:
@@ -193,6 +195,6 @@ def check_fix(
 
 
 def _shown(value: float, reveal: bool, spec: str) -> str:
-    if not _is_real(value):
+    if not is_real(value):
         return repr(value)
     return format(value, spec) if reveal else "(measured on the grader's traces)"

@@ -30,7 +30,7 @@ from kvlab.cache.policy.heavy_hitters import HeavyHitterKVCache
 from kvlab.model.decoder import Decoder
 from kvlab.model.pretrained import heldout_tokens
 from kvlab.model.tokenizer import ASK, N_PASSKEYS, PASSKEY_BASE, VOCAB_SIZE
-from kvlab.spec.validation import require_fraction, require_int
+from kvlab.spec.validation import require_bool, require_fraction, require_int
 
 # The needle is one passkey token planted in the text, the query is ``<|ask|>``, and the answer is that same
 # passkey: recall succeeds only if the passkey's key and value survive in the cache until the question comes.
@@ -107,8 +107,7 @@ def perplexity(
     if prefill_tokens >= context:
         raise ValueError(f"prefill_tokens: {prefill_tokens}; allowed: 1 <= prefill_tokens < context={context}")
     require_int("batch_size", batch_size, 1)
-    if not isinstance(one_pass, bool):
-        raise ValueError(f"one_pass: {one_pass!r}; allowed: True or False")
+    require_bool("one_pass", one_pass)
     _check_factory(make_cache)
     _check_bos(bos, model)
     text_len = context - (bos is not None)
@@ -254,9 +253,8 @@ def attention_sink_share(
     tokens = _token_vector(tokens, "tokens")
     require_int("context", context, 2)
     require_int("n_segments", n_segments, 1)
+    require_int("queries", queries, 1, context, note="context's last positions", or_none=True)
     queries = context if queries is None else queries
-    if isinstance(queries, bool) or not isinstance(queries, int) or not 1 <= queries <= context:
-        raise ValueError(f"queries: {queries!r}; allowed: None or an integer in [1, context={context}]")
     _check_bos(bos, model)
     text_len = context - (bos is not None)
     if len(tokens) < n_segments * text_len:
@@ -282,8 +280,8 @@ def uniform_first_token_share(context: int, queries: int | None = None) -> float
     """The first token's share of the attention of the last ``queries`` of ``context`` causal queries (default:
     all), if each spread its weight evenly: the mean of ``1 / (t + 1)`` over their positions ``t``."""
     require_int("context", context, 1)
+    require_int("queries", queries, 1, context, note="context's last positions", or_none=True)
     queries = context if queries is None else queries
-    require_int("queries", queries, 1)
     return sum(1 / (t + 1) for t in range(context - queries, context)) / queries
 
 
@@ -301,8 +299,7 @@ def _with_bos(rows: torch.Tensor, bos: int | None) -> torch.Tensor:
 
 
 def _check_bos(bos: object, model: Decoder) -> None:
-    if bos is not None and (isinstance(bos, bool) or not isinstance(bos, int) or not 0 <= bos < model.cfg.vocab_size):
-        raise ValueError(f"bos: {bos!r}; allowed: None or a token id in [0, {model.cfg.vocab_size})")
+    require_int("bos", bos, 0, model.cfg.vocab_size - 1, note="a token id", or_none=True)
 
 
 def _final_probs(

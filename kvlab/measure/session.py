@@ -26,6 +26,7 @@ import torch
 from kvlab.cache.base import CacheFactory, KVCache
 from kvlab.machine.timing import time_call
 from kvlab.model.decoder import Decoder
+from kvlab.spec.validation import require_int
 
 
 @dataclass(frozen=True)
@@ -90,10 +91,8 @@ class ChatSession:
     ) -> None:
         self.model = model
         self.system = _token_ids("system", system, model, allow_empty=True)
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= len(self.system)):
-            raise ValueError(
-                f"cap: {cap!r} is not allowed; allowed: an integer above the system prompt's {len(self.system)} tokens"
-            )
+        system = f"above the system prompt's {len(self.system)} tokens"
+        require_int("cap", cap, len(self.system) + 1, note=system, or_none=True)
         self.cap = cap
         capacity = capacity or cap or model.cfg.max_seq_len
         self.cache = (make_cache or _new_cache)(model, 1, capacity)
@@ -123,8 +122,7 @@ class ChatSession:
         """
         user = _token_ids("user", user, self.model)
         if isinstance(reply, int) and not isinstance(reply, bool):
-            if reply < 0:
-                raise ValueError(f"reply: {reply}; allowed: token ids, or a number of tokens to generate >= 0")
+            require_int("reply", reply, 0, note="a number of tokens to generate; or give the reply's token ids")
             scripted, n_reply = None, reply
         else:
             scripted = _token_ids("reply", reply, self.model, allow_empty=True)
@@ -147,12 +145,7 @@ class ChatSession:
         """Replace every turn but the last ``keep_last_turns`` (and any earlier summary) with ``summary``."""
         summary = _token_ids("summary", summary, self.model, allow_empty=True)
         n_turns = len(self.turns)
-        if (
-            isinstance(keep_last_turns, bool)
-            or not isinstance(keep_last_turns, int)
-            or not 0 <= keep_last_turns <= n_turns
-        ):
-            raise ValueError(f"keep_last_turns: {keep_last_turns!r}; allowed: an integer from 0 to {n_turns}")
+        require_int("keep_last_turns", keep_last_turns, 0, n_turns, note="the session's turns")
         kept = self.turns[n_turns - keep_last_turns :]
         n_after = len(self.system) + len(summary) + sum(len(t.tokens) for t in kept)
         if self.cap is not None and n_after > self.cap:

@@ -14,11 +14,9 @@ attention sink StreamingLLM keeps; without one (the default) the model has no su
 checkpoint records what it shows (``sink_study``): window-only against window + sinks perplexity past the trained
 length, and the share of attention that lands on the first token.
 
-The loss is the mean text loss plus ``needle_weight`` times the mean loss of the answers. The answers are about
-ten of the 4,000 predictions in a batch: folded into one mean, their gradient is drowned (a measured run was still
-at chance after 475 steps). Measured with the default settings otherwise: weight 1.0 learned recall by step 400
-but cost the text (held-out perplexity 4.28); weight 0.25 learned it by step 400 too and kept the text as good as
-an earlier checkpoint that never learned recall (3.60).
+The loss is the mean text loss plus ``needle_weight`` times the mean loss of the answers, kept apart because the
+answers are a handful of a batch's predictions (why 0.25: ``docs/measurements.md``, "Training the shipped
+checkpoint").
 
 Determinism: every random draw (initial weights, windows, needles) comes from generators seeded by ``seed``, and
 ``torch.use_deterministic_algorithms`` is on. The same seed, thread count, torch build and CPU give bit-identical

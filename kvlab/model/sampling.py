@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
+
+from kvlab.spec.validation import require_int, require_number
 
 
 def sample_next(
@@ -68,14 +69,10 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < math.inf:
-            raise ValueError(f"temperature: {self.temperature!r}; allowed: a finite number >= 0 (0 is greedy)")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
-            raise ValueError(f"top_k: {self.top_k!r}; allowed: an integer >= 1, or None")
-        if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p: {self.top_p!r}; allowed: a number in (0, 1], or None")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise ValueError(f"logprobs: {self.logprobs!r}; allowed: an integer >= 0, or None")
+        require_number("temperature", self.temperature, 0, note="0 is greedy")
+        require_int("top_k", self.top_k, 1, or_none=True)
+        require_number("top_p", self.top_p, 0, 1, low_open=True, or_none=True)
+        require_int("logprobs", self.logprobs, 0, or_none=True)
 
     def generator(self, device: torch.device) -> torch.Generator | None:
         """The request's own random stream (None when greedy)."""

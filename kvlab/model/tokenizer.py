@@ -19,6 +19,8 @@ from collections.abc import Iterable
 
 import torch
 
+from kvlab.spec.validation import require_int
+
 EOT = 256
 EOT_TEXT = "<|endoftext|>"
 # 16 passkeys (chance 1/16). A run with 64 also learned recall, but its answers stayed hard for 900 of 1,200
@@ -34,8 +36,7 @@ _SPECIAL = re.compile(r"<\|(endoftext|ask|passkey:(\d+))\|>")
 
 def passkey(n: int) -> int:
     """The token id of passkey ``n``."""
-    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < N_PASSKEYS:
-        raise ValueError(f"passkey: {n!r} is not allowed; allowed: an integer in 0 .. {N_PASSKEYS - 1}")
+    require_int("passkey", n, 0, N_PASSKEYS - 1)
     return PASSKEY_BASE + n
 
 

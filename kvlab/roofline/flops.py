@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from kvlab.roofline.bytes import active_params
 from kvlab.spec.config import ModelConfig
+from kvlab.spec.validation import require_int
 
 
 def decode_attention_flops(n_layers: int, q_width: int, context: int) -> int:
@@ -106,8 +107,7 @@ def mla_attention_flops(cfg: ModelConfig, context: int) -> MLAAttentionFlops:
     m = cfg.mla
     if m is None:
         raise ValueError(f"cfg: {cfg.name} has no MLA shape; allowed: a config with mla=MLAConfig(...)")
-    if isinstance(context, bool) or not isinstance(context, int) or context <= 0:
-        raise ValueError(f"context: {context!r}; allowed: an integer >= 1 (the new token attends to itself)")
+    require_int("context", context, 1, note="the new token attends to itself")
     h, r, p, n, v = cfg.n_heads, m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim
     q_in = m.q_lora_rank or h * (n + p)
     projections = 2 * cfg.d_model * (q_in + r + p) + 2 * h * v * cfg.d_model

@@ -46,6 +46,7 @@ from typing import Protocol
 import httpx
 
 from kvlab.metrics import latency_summaries
+from kvlab.spec.validation import require_int
 
 ENDPOINT_TYPES = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 BACKENDS = {"openai": "completions", "vllm": "completions", "openai-chat": "chat"}  # vLLM's --backend names
@@ -111,20 +112,15 @@ class Prompt:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens: {self.max_tokens!r}; allowed: an integer >= 1")
+        require_int("max_tokens", self.max_tokens, 1)
         if self.ids is not None:
             if not self.ids or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.ids):
                 raise ValueError(f"ids: {self.ids[:8]!r}...; allowed: a non-empty sequence of token ids >= 0")
             object.__setattr__(self, "input_len", len(self.ids))
         if self.text is not None and not self.text:
             raise ValueError("text: empty; allowed: a non-empty prompt")
-        if (
-            self.ids is None
-            and self.text is None
-            and (isinstance(self.input_len, bool) or not isinstance(self.input_len, int) or self.input_len < 1)
-        ):
-            raise ValueError(f"input_len: {self.input_len!r}; allowed: an integer >= 1 (or give ids or text)")
+        if self.ids is None and self.text is None:
+            require_int("input_len", self.input_len, 1, note="or give ids or text")
 
 
 def words(n_chars: int, seed: int) -> str:

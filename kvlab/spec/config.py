@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.spec.dtypes import BYTES_PER_ELEMENT, COMPUTE_DTYPES, canonical_dtype
-from kvlab.spec.validation import require_int
+from kvlab.spec.validation import require_bool, require_int, require_number
 
 RUNNABLE_ROPE_TYPES = ("default", "llama3")
 # The parts of a checkpoint that can ship in different dtypes: the input embedding table and the LM head, the MoE
@@ -154,13 +154,10 @@ class ModelConfig:
             object.__setattr__(self, "d_ff", _default_d_ff(self.d_model))
         require_int("d_ff", self.d_ff)
         for name in ("rope_theta", "norm_eps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name}: {value!r} is not allowed; allowed: a finite number > 0")
+            require_number(name, getattr(self, name), 0, low_open=True)
         if self.rope_scaling is not None:
             object.__setattr__(self, "rope_scaling", tuple(sorted(dict(self.rope_scaling).items())))
-        if not isinstance(self.tie_embeddings, bool):
-            raise ValueError(f"tie_embeddings: {self.tie_embeddings!r} is not allowed; allowed: True or False")
+        require_bool("tie_embeddings", self.tie_embeddings)
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype, "dtype", allowed=tuple(COMPUTE_DTYPES)))
         if self.layer_windows is not None:
             windows = tuple(self.layer_windows)
