@@ -402,7 +402,7 @@ def test_bad_arguments_name_themselves(gqa: Decoder) -> None:
     paged = PagedKVCache.for_model(gqa, n_blocks=4, block_size=4)
     with pytest.raises(ValueError, match="prompts: lengths \\[3, 2\\]"):
         paged.begin([[1, 2, 3], [1, 2]])
-    with pytest.raises(ValueError, match=r"index: 1; allowed: an integer in \[0, 1\)"):
+    with pytest.raises(ValueError, match=r"index: 1 is not allowed; allowed: an integer in \[0, 0\]"):
         paged.fork(1)
     with pytest.raises(ValueError, match="token_ids: 2 rows"):
         paged.feed_tokens([[1], [2]])

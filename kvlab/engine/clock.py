@@ -17,6 +17,7 @@ from kvlab.roofline import (
 )
 from kvlab.spec.config import ModelConfig
 from kvlab.spec.presets import GPU, get_gpu
+from kvlab.spec.validation import require_number
 
 
 class Clock(Protocol):
@@ -78,10 +79,8 @@ class SimulatedClock:
         window: int | None = None,
         sinks: int = 0,
     ) -> None:
-        if not isinstance(bandwidth_gbps, (int, float)) or not bandwidth_gbps > 0:
-            raise ValueError(f"bandwidth_gbps: {bandwidth_gbps!r}; allowed: a number of GB/s > 0")
-        if peak_flops_per_s is not None and not peak_flops_per_s > 0:
-            raise ValueError(f"peak_flops_per_s: {peak_flops_per_s!r}; allowed: None or a number of FLOP/s > 0")
+        require_number("bandwidth_gbps", bandwidth_gbps, 0, low_open=True, note="GB/s")
+        require_number("peak_flops_per_s", peak_flops_per_s, 0, low_open=True, note="FLOP/s", or_none=True)
         self.cfg, self.bandwidth_gbps, self.peak_flops_per_s = cfg, bandwidth_gbps, peak_flops_per_s
         self.kv_dtype, self.window, self.sinks = kv_dtype, window, sinks
         self.kv_bytes_per_token = kv_bytes_per_token(cfg, kv_dtype)

@@ -12,7 +12,7 @@ import torch
 from kvlab.cache.storage.block_pool import int_tuple
 from kvlab.metrics import RequestTiming, latency_summaries
 from kvlab.model.sampling import SamplingParams, TokenLogprobs
-from kvlab.spec.validation import require_int
+from kvlab.spec.validation import require_int, require_number
 
 OnToken = Callable[[int, TokenLogprobs | None], None]  # a token as it is sampled, and its logprobs if asked for
 
@@ -38,10 +38,7 @@ class Request:
         if min(ids) < 0:
             raise ValueError(f"prompt_ids: {list(ids)}; allowed: integer token ids >= 0")
         require_int("max_new_tokens", self.max_new_tokens)
-        if isinstance(self.arrival_s, bool) or not isinstance(self.arrival_s, (int, float)):
-            raise ValueError(f"arrival_s: {self.arrival_s!r}; allowed: a finite number of seconds >= 0")
-        if not 0 <= self.arrival_s < math.inf:
-            raise ValueError(f"arrival_s: {self.arrival_s!r}; allowed: a finite number of seconds >= 0")
+        require_number("arrival_s", self.arrival_s, 0, note="seconds")
         if self.sampling is not None and not isinstance(self.sampling, SamplingParams):
             raise ValueError(f"sampling: {self.sampling!r}; allowed: None or a kvlab.model.sampling.SamplingParams")
         object.__setattr__(self, "prompt_ids", int_tuple(ids))

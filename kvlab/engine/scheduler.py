@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvlab.spec.keep import SinksAndWindow, blocks_inside
-from kvlab.spec.validation import require_int
+from kvlab.spec.validation import require_bool, require_int
 
 if TYPE_CHECKING:
     from kvlab.cache.storage.block_pool import BlockPool
@@ -104,8 +104,7 @@ class Scheduler:
     ) -> None:
         require_int("max_batch", max_batch)
         require_int("token_budget", token_budget)
-        if not isinstance(prefix_caching, bool):
-            raise ValueError(f"prefix_caching: {prefix_caching!r}; allowed: True or False")
+        require_bool("prefix_caching", prefix_caching)
         self.pool = pool
         self.max_batch, self.token_budget, self.prefix_caching = max_batch, token_budget, prefix_caching
         self.keep = SinksAndWindow(window, sinks)  # the rule PagedKVCache and the byte model apply too

@@ -38,7 +38,7 @@ import torch
 from kvlab.cache.base import ROLLBACK_CACHES, CacheFactory, CacheRollbackError, KVCache, default_cache
 from kvlab.machine.timing import time_interleaved
 from kvlab.model.decoder import Decoder
-from kvlab.spec.validation import require_int
+from kvlab.spec.validation import require_int, require_number
 
 PROMPT_LOOKUP = "prompt-lookup"
 PROMPT_LOOKUP_NGRAMS = (3, 2, 1)  # tried longest first: a longer match predicts the continuation better
@@ -112,8 +112,7 @@ def speculative_generate(
     prompt = _prompt(prompt, target)
     require_int("max_new_tokens", max_new_tokens, 0)
     require_int("k", k, 0)
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
-        raise ValueError(f"temperature: {temperature!r}; allowed: a number >= 0 (0 is greedy)")
+    require_number("temperature", temperature, 0, note="0 is greedy")
     drafter = _drafter(draft, target, make_draft_cache, len(prompt) + max_new_tokens + k + 1, k)
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     cache = make_cache(target, 1, len(prompt) + max_new_tokens + k + 1)

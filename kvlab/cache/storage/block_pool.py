@@ -149,8 +149,7 @@ class BlockPool:
         """Start a sequence that shares the cached blocks of ``token_ids``' leading full blocks (at most
         ``max_cached_tokens`` tokens of them). Returns ``(seq_id, n_cached_tokens)``; the sequence holds those
         tokens, and the caller appends the rest of ``token_ids`` (computing their K/V) with ``append``."""
-        if max_cached_tokens is not None and (isinstance(max_cached_tokens, bool) or max_cached_tokens < 0):
-            raise ValueError(f"max_cached_tokens: {max_cached_tokens!r}; allowed: None or an integer >= 0")
+        require_int("max_cached_tokens", max_cached_tokens, 0, or_none=True)
         hits = self.cached_prefix(token_ids)
         if max_cached_tokens is not None:
             hits = hits[: max_cached_tokens // self.block_size]
@@ -191,8 +190,7 @@ class BlockPool:
         of the new last block) is rebuilt from the kept blocks' registrations, so later blocks can still be cached.
         """
         seq = self._seq(seq_id)
-        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= seq.length:
-            raise ValueError(f"length: {length!r}; allowed: an integer in [0, {seq.length}]")
+        require_int("length", length, 0, seq.length)
         keep = math.ceil(length / self.block_size)
         if HOLE in seq.blocks[:keep]:  # the tokens of a released block are gone: no length past it comes back
             first_hole = seq.blocks.index(HOLE)
@@ -232,8 +230,7 @@ class BlockPool:
         ``preempt=True`` free other sequences, most recently added first (they have the least work to redo, and
         earlier requests keep their place), until it fits. When it cannot fit, nothing changes.
         """
-        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens <= 0:
-            raise ValueError(f"n_tokens: {n_tokens!r}; allowed: a positive integer")
+        require_int("n_tokens", n_tokens, 1)
         if not seq_ids or len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"seq_ids: {list(seq_ids)}; allowed: one or more distinct live sequence ids")
         seqs = [self._seq(s) for s in seq_ids]
@@ -259,8 +256,7 @@ class BlockPool:
         last block stays: the next step writes into it."""
         seq = self._seq(seq_id)
         n_full = len(seq.blocks) - (seq.length % self.block_size > 0)  # a partly filled last block is written
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < n_full:
-            raise ValueError(f"index: {index!r}; allowed: an integer in [0, {n_full}) (a full block's entry)")
+        require_int("index", index, 0, n_full - 1, note="a full block's entry")
         if seq.blocks[index] != HOLE:
             self._release(seq.blocks[index])
             seq.blocks[index] = HOLE

@@ -79,7 +79,7 @@ from kvlab.kernels.reference import (
     online_softmax_attention,
 )
 from kvlab.spec.keep import SinksAndWindow, Span, count_blocks
-from kvlab.spec.validation import require_int
+from kvlab.spec.validation import require_bool, require_int
 
 TABLE_ENTRY_BYTES = 4  # block tables are int32, as in vLLM and FlashInfer
 
@@ -136,8 +136,7 @@ class PagedKVCache(KVCache):
                     "the pool for batch_size sequences of that many tokens"
                 )
             n_blocks = batch_size * math.ceil(capacity / block_size)
-        if not isinstance(cascade, bool):
-            raise ValueError(f"cascade: {cascade!r} is not allowed; allowed: True or False")
+        require_bool("cascade", cascade)
         refuse_latent(shape, "PagedKVCache")
         self.pool = BlockPool(n_blocks, block_size)
         self.cascade = cascade
@@ -242,8 +241,7 @@ class PagedKVCache(KVCache):
 
     def fork(self, index: int) -> int:
         """Add a copy of sequence ``index`` to the batch, sharing its blocks (copy-on-write); return its index."""
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.batch_size:
-            raise ValueError(f"index: {index!r}; allowed: an integer in [0, {self.batch_size})")
+        require_int("index", index, 0, self.batch_size - 1)
         parent = self._seq_ids[index]
         self._seq_ids.append(self.pool.fork(parent))
         self._pending[self._seq_ids[-1]] = list(self._pending[parent])
