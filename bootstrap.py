@@ -90,7 +90,11 @@ def course(python: str) -> None:
 
 def test(python: str) -> None:
     run([python, "-m", "ruff", "check", "."])
-    run([python, "-m", "pytest", "-q"])
+    # One worker per CPU (pytest-xdist), each taking whole test files in the order tests/conftest.py sets, longest
+    # first; then the tests that time real seconds, alone, so that no other worker's load shifts what they measure.
+    pytest = [python, "-m", "pytest", "-q"]
+    run([*pytest, "-n", "logical", "--dist", "loadfile", "--no-loadscope-reorder", "-m", "not serial"])
+    run([*pytest, "-m", "serial"])
 
 
 def main() -> None:

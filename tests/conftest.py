@@ -3,6 +3,10 @@ the course, released by nbgrader, for tests that write grading files.
 
 Tests marked ``gpu`` need CUDA and are skipped without it; ``pytest -m gpu`` runs only them (``benchmarks/gpu_check.py``
 does, on a lent GPU).
+
+How the suite is run (README, Contributing): ``pytest -m "not slow"`` is the inner loop; ``python3 bootstrap.py
+test`` runs everything, the tests not marked ``serial`` spread over the CPUs by pytest-xdist one file to a worker
+(``--dist loadfile``, so a module's fixture is built once), then the ``serial`` ones alone.
 """
 
 from __future__ import annotations
@@ -19,6 +23,11 @@ import pytest
 import torch
 
 from autograde.cli import lesson_names
+from autograde.lean import skip_unused_imports
+
+# As every autograde command does: nbformat's jsonschema would compile a grammar no notebook schema uses, several
+# seconds of every pytest process's start (and of each pytest-xdist worker's).
+skip_unused_imports()
 
 REPO = Path(__file__).resolve().parent.parent
 LESSONS = lesson_names(REPO)
@@ -71,7 +80,23 @@ def target(request: pytest.FixtureRequest) -> Target:
     return request.param
 
 
+# The files whose tests take minutes, longest first (measured on a busy 2-core machine: grading about 6 min, the
+# rest 1-3 min each): collected first, so that pytest-xdist, told to keep the collection's order
+# (--no-loadscope-reorder), starts them first and its workers finish at about the same time.
+STARTS_FIRST = (
+    "test_grading.py",
+    "test_instructor.py",
+    "test_instructor_exchange.py",
+    "test_classroom_hub.py",
+    "test_classroom_browser.py",
+    "test_incident.py",
+    "test_notebooks.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    order = {name: i for i, name in enumerate(STARTS_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: each file's tests stay together
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (marked gpu); torch.cuda.is_available() is False")

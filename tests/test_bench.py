@@ -53,6 +53,7 @@ def test_fit_line_recovers_a_known_line_and_reports_r2():
 
 
 @pytest.mark.parametrize("fill", ["fast", "prefill"])
+@pytest.mark.slow
 def test_sweep_writes_vllm_named_json_and_a_plot(tmp_path, fill):
     model = Decoder(tiny_config(max_seq_len=512), device="cpu")
     sweep = sweep_context(model, [64, 16, 128], n_tokens=4, n_requests=2, fill=fill, progress=False)
@@ -84,6 +85,7 @@ def test_sweep_rejects_bad_arguments():
         sweep_context(model, [0, 8])
 
 
+@pytest.mark.slow
 def test_sweep_visits_contexts_round_robin_and_keeps_all_but_the_warm_up_round():
     model = Decoder(tiny_config(max_seq_len=512), device="cpu")
     visits = []
@@ -98,6 +100,7 @@ def test_sweep_visits_contexts_round_robin_and_keeps_all_but_the_warm_up_round()
     assert [len(p.requests) for p in sweep.points] == [2, 2]
 
 
+@pytest.mark.slow
 def test_interleaved_sweeps_visit_every_context_and_arm_in_turn_against_one_bandwidth():
     model = Decoder(tiny_config(max_seq_len=512), device="cpu")
     visits = []
@@ -133,6 +136,7 @@ def test_interleaved_sweeps_reject_bad_arguments():
         interleaved_sweeps({"a": Arm(model)}, [8], n_requests=0)
 
 
+@pytest.mark.slow
 def test_a_sweep_of_one_context_has_no_line_and_says_so():
     model = Decoder(tiny_config(max_seq_len=512), device="cpu")
     sweep = sweep_context(model, [32], n_tokens=2, n_requests=1, progress=False)
@@ -142,6 +146,7 @@ def test_a_sweep_of_one_context_has_no_line_and_says_so():
     assert sweep.to_dict()["points"][0]["context"] == 32
 
 
+@pytest.mark.slow
 def test_bench_of_one_context_prints_its_tpot_and_says_there_is_no_line(tmp_path):
     """Runs the installed entry point, as a learner would."""
     cmd = [sys.executable, "-m", "kvlab.cli", "bench", "--preset", "cpu-tiny", "--contexts", "128"]

@@ -296,6 +296,7 @@ def test_models_and_gpus_list_the_presets(capsys):
     assert "165.2 TF/s*" in out and "rtx-4090: BF16 165.2 and FP8 330.3 are with FP32 accumulate" in out
 
 
+@pytest.mark.slow
 def test_bench_writes_json_and_plot(tmp_path):
     """Runs the installed entry point, as a learner would."""
     cmd = [

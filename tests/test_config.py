@@ -191,6 +191,7 @@ def _reference_path():
     return resources.files("kvlab.data").joinpath("reference_presets.json")
 
 
+@pytest.mark.slow
 def test_the_package_loads_its_public_names_on_first_use():
     code = (
         "import sys, kvlab; assert 'torch' not in sys.modules; "

@@ -287,6 +287,7 @@ def test_importing_the_client_loads_no_torch():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_the_command_line_says_how_it_counted(capsys):
     with scripted_server() as server:
         server.use(Script(ttft_s=0.0, gap_s=0.0, chunks=4, tokens_per_chunk=2, usage=False, max_model_len=600))

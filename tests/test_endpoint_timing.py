@@ -34,7 +34,7 @@ from kvlab.serving.client import (
 from .helpers import run_cli
 from .scripted_sse import Script, ScriptedServer, save_word_tokenizer, scripted_server
 
-pytestmark = pytest.mark.slow  # every test streams real seconds on an exact schedule
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # every test streams real seconds on an exact schedule
 
 N_PROMPTS, CONCURRENCY = 8, 4
 RTOL = 0.05  # the brief's agreement: 5% on mean TPOT and ITL

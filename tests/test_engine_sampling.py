@@ -38,6 +38,7 @@ def test_temperature_zero_is_the_plain_greedy_path(model: Decoder) -> None:
     assert alone == model.generate(ps[0], 7).tolist()
 
 
+@pytest.mark.slow
 def test_sampled_first_tokens_follow_the_truncated_softmax() -> None:
     vocab, n_runs, temperature, top_k, top_p = 12, 800, 0.8, 6, 0.9
     m = sharp_random_model(vocab, seed=3)

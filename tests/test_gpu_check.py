@@ -22,6 +22,7 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     return json.loads((out / "gpu_check.json").read_text()), out
 
 
+@pytest.mark.slow
 def test_the_dry_run_records_the_machine_and_every_section(dry_run):
     report, _ = dry_run
     assert {"schema", "device", "dtype", "quick", "plan", "machine", "sections", "targets", "plots", "total_s"} <= set(
@@ -37,6 +38,7 @@ def test_the_dry_run_records_the_machine_and_every_section(dry_run):
     assert report["sections"]["parity"]["result"]["max_abs_logit_diff"] <= 1e-4
 
 
+@pytest.mark.slow
 def test_measured_and_predicted_sit_side_by_side(dry_run):
     sections = dry_run[0]["sections"]
     assert sections["bandwidth"]["result"]["copy_gbps"] > 0
@@ -52,6 +54,7 @@ def test_measured_and_predicted_sit_side_by_side(dry_run):
     assert {"contiguous", "static"} <= set(graphs["batches"]["batch_1"]["fits"])
 
 
+@pytest.mark.slow
 def test_every_target_is_recorded_with_its_numbers_and_not_judged_on_a_cpu(dry_run):
     targets = {t["name"]: t for t in dry_run[0]["targets"]}
     assert set(targets) == TARGETS
@@ -59,6 +62,7 @@ def test_every_target_is_recorded_with_its_numbers_and_not_judged_on_a_cpu(dry_r
         assert t["status"] == "not_applicable" and t["measured"] and t["target"], t
 
 
+@pytest.mark.slow
 def test_the_plots_are_pngs(dry_run):
     report, out = dry_run
     assert report["plots"] == ["fidelity.png", "kernels.png", "cuda_graphs.png"]

@@ -3,7 +3,8 @@
 - "perfect" submits the released lessons with the solutions' answers: full marks, and no cell anywhere raises or
   writes to stderr. This is the one run of every solution in quick mode with its hidden tests (what
   `autograde validate --all-cells` on a solution would check, so the suite does not run the notebooks twice).
-- "blank" submits the released lessons untouched: zero.
+- "blank" submits the released lessons untouched: zero, and not one test cell passes. This is the one run of every
+  unanswered lesson (what `autograde validate --invert` on a lesson would check).
 - "partial" submits two lessons only, answered with specific mistakes that fail known test cells (the exact partial
   score), and with one test cell edited, which grading restores and names.
 """
@@ -18,13 +19,14 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from nbgrader.utils import determine_grade
 
 from autograde import hidden
 from kvlab import checks
 from kvlab.cache.storage.block_pool import chain_hash
 from tests.conftest import LESSONS, REPO, run_autograde
 
-pytestmark = pytest.mark.notebooks
+pytestmark = [pytest.mark.notebooks, pytest.mark.slow]
 
 # lesson -> ({answer grade_id: wrong source}, the test cells those mistakes fail)
 MISTAKES = {
@@ -107,21 +109,25 @@ def answered(root: Path, name: str, dest: Path, wrong: dict[str, str] | None = N
 
 @pytest.fixture(scope="module")
 def graded(released_course: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """The course graded, and what `autograde` printed."""
+    """The course graded, and what `autograde` printed. Two grading processes: the 26 notebooks are most of the
+    suite's time (tests/test_instructor.py checks that --jobs records what one process does)."""
     root = released_course
     scratch = tmp_path_factory.mktemp("students")
+    perfect, blank = [], []
     for name in LESSONS:
-        perfect = answered(root, name, scratch / "perfect")
-        run_autograde(root, "collect", "perfect", str(perfect), "--time", PERFECT_TIME)
-        blank = scratch / "blank" / f"{name}.ipynb"
-        blank.parent.mkdir(exist_ok=True)
-        shutil.copyfile(root / "lessons" / name / f"{name}.ipynb", blank)
-        os.utime(blank, (BLANK_MTIME, BLANK_MTIME))
-        run_autograde(root, "collect", "blank", str(blank))
-    for name, (wrong, _) in MISTAKES.items():
-        edit = EDITED[1] if name == EDITED[0] else None
-        run_autograde(root, "collect", "partial", str(answered(root, name, scratch / "partial", wrong, edit)))
-    result = run_autograde(root, "autograde")
+        perfect.append(str(answered(root, name, scratch / "perfect")))
+        blank.append(scratch / "blank" / f"{name}.ipynb")
+        blank[-1].parent.mkdir(exist_ok=True)
+        shutil.copyfile(root / "lessons" / name / f"{name}.ipynb", blank[-1])
+        os.utime(blank[-1], (BLANK_MTIME, BLANK_MTIME))
+    partial = [
+        str(answered(root, name, scratch / "partial", wrong, EDITED[1] if name == EDITED[0] else None))
+        for name, (wrong, _) in MISTAKES.items()
+    ]
+    run_autograde(root, "collect", "perfect", *perfect, "--time", PERFECT_TIME)
+    run_autograde(root, "collect", "blank", *map(str, blank))
+    run_autograde(root, "collect", "partial", *partial)
+    result = run_autograde(root, "autograde", "--jobs", "2")
     run_autograde(root, "feedback")
     run_autograde(root, "export")
     return root, result.stdout + result.stderr
@@ -159,6 +165,24 @@ def test_perfect_submissions_ran_every_cell_cleanly(graded):
                 if o.output_type == "error" or (o.output_type == "stream" and o.name == "stderr")
             ]
             assert not bad, f"{name}, code cell {i}: the solution raised or wrote to stderr: {bad}"
+
+
+def test_unanswered_lessons_pass_no_test(graded):
+    """Every test cell of a released lesson fails until the learner answers: scored as nbgrader scores a cell."""
+    root, _ = graded
+    for name in LESSONS:
+        nb = nbformat.read(root / "autograde" / "autograded" / "blank" / name / f"{name}.ipynb", as_version=4)
+        tests = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade") and c.cell_type == "code"]
+        passed = [c.metadata.nbgrader["grade_id"] for c in tests if determine_grade(c)[0] != 0]
+        assert tests and not passed, f"{name}: the unanswered lesson passes {passed}"
+
+
+def test_lessons_regenerate_identically(released_course):
+    for name in LESSONS:
+        fresh = released_course / "lessons" / name / f"{name}.ipynb"
+        assert fresh.read_text() == (REPO / "lessons" / name / f"{name}.ipynb").read_text(), (
+            f"lessons/{name} differs from a fresh release: run `python -m autograde release`"
+        )
 
 
 def test_timestamps_in_the_csv(graded):

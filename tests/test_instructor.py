@@ -19,7 +19,7 @@ from nbgrader.api import Gradebook
 
 from tests.conftest import BARE_ENV, course_copy, run_autograde
 
-pytestmark = pytest.mark.notebooks
+pytestmark = [pytest.mark.notebooks, pytest.mark.slow]
 
 TINY = "00_tiny"
 ANSWER = "def answer():\n    ### BEGIN SOLUTION\n    return 42\n    ### END SOLUTION"

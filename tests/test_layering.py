@@ -142,6 +142,7 @@ def test_every_module_has_a_level() -> None:
 
 
 @pytest.mark.parametrize("module", MODULES)
+@pytest.mark.slow
 def test_module_loads_nothing_above_it(module: str, loaded: dict[str, dict]) -> None:
     if module in OPTIONAL and importlib.util.find_spec(OPTIONAL[module]) is None:
         pytest.skip(f"{module} needs {OPTIONAL[module]}, which is not installed (pip install 'kvlab[gpu]')")
@@ -152,6 +153,7 @@ def test_module_loads_nothing_above_it(module: str, loaded: dict[str, dict]) -> 
         assert not loaded[module]["torch"], f"importing {module} loaded torch; it must not need it"
 
 
+@pytest.mark.slow
 def test_the_check_sees_an_upward_import() -> None:
     """The probe itself: kvlab.checks sits near the top, so importing it must load lower levels (the test
     would pass vacuously if the probe saw no modules)."""

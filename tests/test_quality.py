@@ -164,6 +164,7 @@ def test_attention_sink_share_of_even_attention_is_the_harmonic_share(text: torc
 
 
 @pytest.mark.parametrize("which", ["random", "shipped"])
+@pytest.mark.slow
 def test_needle_recall_matches_one_full_forward_pass(model: Decoder, which: str) -> None:
     m = model if which == "random" else load_pretrained("kvlab-tiny-stdlib", device="cpu")
     filler = heldout_tokens()
@@ -204,6 +205,7 @@ def test_needle_recall_counts_exact_matches(model: Decoder, monkeypatch: pytest.
     assert r.accuracy == r.n_correct / 5 and r.n_correct >= 2
 
 
+@pytest.mark.slow
 def test_needle_recall_falls_to_chance_when_the_cache_forgets() -> None:
     """The shipped model finds the passkey with its full cache and not with one that keeps only the newest token."""
     m = load_pretrained("kvlab-tiny-stdlib", device="cpu")

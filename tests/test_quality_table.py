@@ -30,6 +30,7 @@ def test_policies_cover_the_issue_rows(table) -> None:
     assert {"full", "fp8", "int8", "int4", "fp8/residual-0", "int8/residual-0", "int4/residual-0"} <= names
 
 
+@pytest.mark.slow
 def test_every_policy_reads_no_more_than_the_full_cache(table) -> None:
     model = load_pretrained("kvlab-tiny-stdlib", device="cpu")
     tokens = torch.randint(0, 256, (2, 300))
@@ -50,6 +51,7 @@ def test_every_policy_reads_no_more_than_the_full_cache(table) -> None:
     assert read["int4/residual-0"] < read["int4"] < read["int8"]
 
 
+@pytest.mark.slow
 def test_small_table_runs_and_writes_json(table, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "rows.json"
     argv = ["--policies", "full", "window-64", "--contexts", "128", "--tokens", "384", "--trials", "2"]

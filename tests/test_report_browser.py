@@ -49,6 +49,7 @@ def open_page(path: Path) -> tuple[list[str], list[dict]]:
     return problems, images
 
 
+@pytest.mark.slow
 def test_the_report_page_opens_cleanly(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "report"
     argv = ["report", "--model", "llama-3.1-8b", "--gpu", "h100-sxm", "--context", "32k", "--batch", "8"]
@@ -59,6 +60,7 @@ def test_the_report_page_opens_cleanly(tmp_path: Path, capsys: pytest.CaptureFix
     assert len(images) == 3 and all(i["ok"] for i in images), images
 
 
+@pytest.mark.slow
 def test_the_check_catches_a_broken_image(tmp_path: Path) -> None:
     """The harness itself: a page with a missing image and a script error fails both checks."""
     page = tmp_path / "broken.html"

@@ -25,6 +25,9 @@ from kvlab.serving.server import Server, TextStream, decode_text, encode_text
 
 from .helpers import run_cli, tiny_config
 
+# Cancellation and admission are checked against deadlines of a second or less: alone, not beside other workers.
+pytestmark = pytest.mark.serial
+
 # A vocabulary past the tokenizer's, so outputs include ids written <|id:N|>.
 CFG = tiny_config(vocab_size=VOCAB_SIZE + 26, max_seq_len=64)
 NAME = "tiny"
@@ -231,6 +234,7 @@ def test_whole_requests_whose_clients_time_out_free_their_blocks_within_a_second
     wait_for_free_blocks(engine, timeout_s=1.0)
 
 
+@pytest.mark.slow
 def test_queued_streams_whose_clients_left_are_never_prefilled(monkeypatch: pytest.MonkeyPatch) -> None:
     server = Server(Engine(Decoder(CFG), n_blocks=48, block_size=4, max_batch=1), NAME, max_waiting=3)
     engine = server.engine

@@ -96,6 +96,7 @@ def served() -> Iterator[tuple[Server, str]]:
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])  # fmt: skip
 @given(route=st.sampled_from(["completions", "chat/completions"]), data=st.data())
+@pytest.mark.slow
 def test_no_request_gets_a_5xx(served: tuple[Server, str], route: str, data: st.DataObject) -> None:
     server, url = served
     body = data.draw(bodies(COMPLETION, "prompt") if route == "completions" else bodies(CHAT, "messages"))

@@ -322,6 +322,7 @@ def joint_probs(m: Decoder, prompt: torch.Tensor, temperature: float) -> torch.T
 
 
 @pytest.mark.parametrize("draft_kind", ["small model", "prompt-lookup"])
+@pytest.mark.slow
 def test_speculative_sampling_draws_from_the_targets_distribution(draft_kind: str) -> None:
     target, draft = model(4, vocab=SMALL_VOCAB), model(5, n_layers=1, vocab=SMALL_VOCAB)
     prompt, temperature = torch.tensor([1, 2, 3, 1, 2]), 1.5

@@ -146,6 +146,7 @@ def test_train_config_rejects_impossible_mixes() -> None:
 
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
+@pytest.mark.slow
 def test_shipped_checkpoint_reproduces_its_recorded_perplexity(name: str) -> None:
     assert name in list_pretrained()
     record = pretrained_info(name)["eval"]
@@ -162,6 +163,7 @@ def test_shipped_checkpoint_reproduces_its_recorded_perplexity(name: str) -> Non
 
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
+@pytest.mark.slow
 def test_shipped_checkpoint_reproduces_its_recorded_recall(name: str) -> None:
     record = pretrained_info(name)["eval"]
     cell = record["needle"][len(record["needle"]) // 2]
@@ -176,6 +178,7 @@ def test_shipped_checkpoint_reproduces_its_recorded_recall(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
+@pytest.mark.slow
 def test_shipped_checkpoint_reproduces_its_recorded_sink_study(name: str) -> None:
     """One row of the card's sink study: window + sinks, reassigned, past the trained length."""
     study = pretrained_info(name)["eval"]["sinks"]
