@@ -205,7 +205,7 @@ def test_the_pool_releases_a_full_block_into_a_hole_and_refuses_the_rest() -> No
     pool.release_block(seq, 1)
     assert pool.block_table(seq)[1] == HOLE and pool.ref_count(first) == 1  # the fork still holds it
     pool.release_block(seq, 1)  # a hole again: nothing changes
-    with pytest.raises(ValueError, match=r"index: 2; allowed: an integer in \[0, 2\)"):
+    with pytest.raises(ValueError, match=r"index: 2 is not allowed; allowed: an integer in \[0, 1\]"):
         pool.release_block(seq, 2)  # the next write goes there
     with pytest.raises(ValueError, match="length: 9; allowed: at most 4"):
         pool.truncate(seq, 9)
