@@ -61,9 +61,6 @@ from kvlab.model.decoder import Decoder
 from kvlab.spec.presets import GPU
 from kvlab.spec.validation import require_int
 
-# What this path offered before the split, which lessons 04, 05 and 11 still import from it (kvlab.engine's package
-# surface is to replace it).
-
 FollowUp = Callable[[int, list[int], float], Sequence[Request]]  # Engine.run's closed loop: (index, ids, s)
 PLACEHOLDER_TOKEN = 0  # what a run with no model samples: a chat's replies are runs of it, their lengths known
 

@@ -37,14 +37,13 @@ class Runner:
         self.model, self.pool, self.prefix_caching = model, pool, prefix_caching
         self.cache = PagedKVCache.for_model(
             model,
-            capacity=None,
+            0,  # no sequence yet: the plan's admissions add them
             n_blocks=pool.n_blocks,
             block_size=pool.block_size,
             codec=kv_dtype,
             window=window,
             sinks=sinks,
         )
-        self.cache.free(self.cache.seq_ids[0])  # the pool starts with no sequences; admissions add them
         self._seq_ids: dict[int, int] = {}  # the scheduler's pool sequence -> the cache's
 
     def reject(self, request: Request) -> str | None:
