@@ -46,7 +46,7 @@ from kvlab.machine.timing import (
     measure_matmul_flops,
     time_interleaved,
 )
-from kvlab.measure.breakdown import layer_weights
+from kvlab.measure.step_time import layer_weights
 from kvlab.roofline import decode_flops, kv_bytes_per_step, roofline_time_ms, weight_bytes_read
 
 SKINNY_REPEATS = 8  # products per timed call of a cache-resident weight: one is too short for the clock

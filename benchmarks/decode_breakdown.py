@@ -1,4 +1,4 @@
-"""Where one decode step's time goes, from the command line (``kvlab.measure.breakdown`` holds the measurement).
+"""Where one decode step's time goes, from the command line (``kvlab.measure.step_time`` holds the measurement).
 
     python benchmarks/decode_breakdown.py                       # cpu-small, context 2048, torch's thread count
     python benchmarks/decode_breakdown.py --threads 1 --context 16
@@ -18,7 +18,7 @@ import torch
 from kvlab import Decoder, get_model
 from kvlab.cli import parse_tokens
 from kvlab.machine.timing import CLOCKS, machine_info
-from kvlab.measure.breakdown import breakdown, report
+from kvlab.measure.step_time import breakdown, breakdown_table
 
 
 def main() -> None:
@@ -50,7 +50,7 @@ def main() -> None:
         f"copy {result['copy_gbps']:.1f} GB/s ({result['buffer_mb']:.0f} MB buffers)"
     )
     print("stream: the same tensors summed read-only; predicted: MB / read bandwidth; x pred: measured / predicted")
-    print("\n".join(report(result)))
+    print("\n".join(breakdown_table(result)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"environment": machine_info(), **result}, f, indent=2)

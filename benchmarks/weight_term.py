@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from kvlab import Decoder, get_model
 from kvlab.machine.timing import CLOCKS, bandwidth_buffer_mb, load_average, machine_info, time_interleaved
-from kvlab.measure.breakdown import layer_weights
+from kvlab.measure.step_time import layer_weights
 from kvlab.model.weights import WeightFormat
 from kvlab.roofline import weight_bytes_read
 

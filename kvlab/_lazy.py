@@ -19,6 +19,8 @@ def lazy_exports(package: str, exports: Mapping[str, str]) -> tuple[Callable[[st
         return value
 
     def __dir__() -> list[str]:
-        return sorted({*vars(sys.modules[package]), *exports})
+        """The public names and the submodules loaded so far, not the machinery of this function."""
+        loaded = {n for n in vars(sys.modules[package]) if not n.startswith("_") and n != "lazy_exports"}
+        return sorted(loaded | set(exports))
 
     return __getattr__, __dir__

@@ -16,7 +16,7 @@ from types import ModuleType
 MOVED: dict[str, tuple[str, ...]] = {
     "kvlab.attention": ("kvlab.model.attention",),
     "kvlab.bench": ("kvlab.measure.sweep", "kvlab.metrics"),
-    "kvlab.breakdown": ("kvlab.measure.breakdown",),
+    "kvlab.breakdown": ("kvlab.measure.step_time",),
     "kvlab.cache.block_pool": ("kvlab.cache.storage.block_pool",),
     "kvlab.cache.codecs": ("kvlab.cache.codec.codecs",),
     "kvlab.cache.contiguous": ("kvlab.cache.storage.slab",),
@@ -54,6 +54,8 @@ MOVED: dict[str, tuple[str, ...]] = {
     "kvlab.validation": ("kvlab.spec.validation",),
     "kvlab.weights": ("kvlab.model.weights",),
 }
+# names that changed with the move: old path -> {old name: new name}
+RENAMED: dict[str, dict[str, str]] = {"kvlab.breakdown": {"report": "breakdown_table"}}
 
 
 class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -68,6 +70,8 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module: ModuleType) -> None:
         for new in reversed(MOVED[module.__name__]):  # the first module listed wins a name both define
             module.__dict__.update({k: v for k, v in vars(importlib.import_module(new)).items() if k[:2] != "__"})
+        for old, new_name in RENAMED.get(module.__name__, {}).items():
+            setattr(module, old, getattr(module, new_name))
 
 
 def install() -> None:

@@ -8,7 +8,7 @@ import torch
 
 from kvlab import Decoder
 from kvlab.machine.timing import Bandwidth
-from kvlab.measure.breakdown import breakdown, report
+from kvlab.measure.step_time import breakdown, breakdown_table
 from kvlab.measure.sweep import Arm, interleaved_sweeps, sweep_context
 from kvlab.metrics import RequestTiming, fit_line, percentile, summarize
 from kvlab.roofline import weight_bytes_read
@@ -184,7 +184,7 @@ def test_decode_breakdown_counts_every_weight_and_kv_byte_once():
     assert len(result["ms"]["matvec"]) == 3
     assert all(len(result["ms"][part]) == 2 for part in ("attention", "scores", "values", "k_stream", "v_stream"))
     assert result["read_gbps"] > 0 and result["copy_gbps"] > 0
-    assert "rest (norms, RoPE, ...)" in "\n".join(report(result))
+    assert "rest (norms, RoPE, ...)" in "\n".join(breakdown_table(result))
     torch.set_num_threads(2)
     try:
         with pytest.raises(ValueError, match="clock: 'thread' counts one thread"):

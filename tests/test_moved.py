@@ -33,6 +33,14 @@ def test_an_old_notebook_import_cell_runs_and_prints_nothing() -> None:
     assert done.returncode == 0 and not done.stderr, done.stderr[-2000:]
 
 
+def test_a_renamed_name_is_served_under_its_old_name() -> None:
+    from kvlab.breakdown import breakdown, report  # lesson 02 of the previous release
+
+    from kvlab.measure import breakdown_table
+
+    assert report is breakdown_table and callable(breakdown)
+
+
 def test_a_path_that_never_existed_still_fails() -> None:
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("kvlab.no_such_module")

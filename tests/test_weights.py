@@ -9,7 +9,7 @@ import kvlab.model.weights
 from autograde import hidden
 from kvlab import Decoder
 from kvlab.checks import check_int8_weight_bytes
-from kvlab.measure.breakdown import layer_weights
+from kvlab.measure.step_time import layer_weights
 from kvlab.model.weights import (
     WeightFormat,
     int8_step_weight_bytes,

@@ -36,6 +36,7 @@ _EXPORTS: dict[str, str] = {
     "SharedPrefixKVCache": "kvlab.cache.storage.shared_prefix",
     "StaticKVCache": "kvlab.cache.storage.slab",
     "WindowKVCache": "kvlab.cache.policy.window",
+    "chain_hash": "kvlab.cache.storage.block_pool",
     "codec_error": "kvlab.cache.codec.kivi",
     "default_cache": "kvlab.cache.base",
     "get_codec": "kvlab.cache.codec.codecs",

@@ -2,7 +2,18 @@
 out) as nano-vllm and vLLM v1 lay it out: a ``Scheduler`` that plans each step on the block pool with integers only,
 a ``Runner`` that executes the plan on the model, and a clock, real or a ``SimulatedClock`` that charges each step
 the byte model's time (the capstone replays at scale with no model at all); a decode step replayed as
-a CUDA graph (``GraphedDecodeStep``); speculative decoding (draft model or prompt lookup, verify, rollback)."""
+a CUDA graph (``GraphedDecodeStep``); speculative decoding (draft model or prompt lookup, verify, rollback).
+
+    from kvlab.engine import Engine, Request
+    engine = Engine(model, n_blocks=256, block_size=16, max_batch=8)  # model: a kvlab.Decoder
+    report = engine.run([Request(prompt_ids, 32), Request(other_ids, 16, arrival_s=0.5)])
+    report.results[0].output_ids, report.results[0].ttft_ms, report.output_tokens_per_s
+
+What a user builds: ``Engine``, ``Request`` (and ``SamplingParams`` from ``kvlab.model``), ``SimulatedClock``; what
+comes back: ``RunReport``, ``RequestResult`` (``.error`` set for a request the engine refused), ``RequestHandle``
+(from ``Engine.add``). The parts underneath: ``Scheduler`` -> ``StepPlan`` (``Admit``, ``Free``, ``ScheduledCall``)
+-> ``Runner``.
+"""
 
 from kvlab._lazy import lazy_exports
 

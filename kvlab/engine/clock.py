@@ -44,6 +44,8 @@ class RealClock:
         self._watch = self._new_watch()
 
     def now(self) -> float:
+        if self._watch is None:
+            raise RuntimeError("the clock has not started: call Engine.start() before add or step (run starts it)")
         return self._watch.elapsed()
 
     def charge(self, calls: Sequence[ModelCall]) -> None:
@@ -81,6 +83,8 @@ class SimulatedClock:
     ) -> None:
         require_number("bandwidth_gbps", bandwidth_gbps, 0, low_open=True, note="GB/s")
         require_number("peak_flops_per_s", peak_flops_per_s, 0, low_open=True, note="FLOP/s", or_none=True)
+        if not isinstance(cfg, ModelConfig):
+            raise ValueError(f"cfg: a {type(cfg).__name__}; allowed: a ModelConfig (for a Decoder, its .cfg)")
         self.cfg, self.bandwidth_gbps, self.peak_flops_per_s = cfg, bandwidth_gbps, peak_flops_per_s
         self.kv_dtype, self.window, self.sinks = kv_dtype, window, sinks
         self.kv_bytes_per_token = kv_bytes_per_token(cfg, kv_dtype)

@@ -125,7 +125,7 @@ def breakdown(
     }
 
 
-def report(result: dict) -> list[str]:
+def breakdown_table(result: dict) -> list[str]:
     """The table ``main`` prints: per layer, then totals, measured against the read-only stream and the model."""
     ms, total, wb, kb = result["ms"], result["total_ms"], result["weight_bytes"], result["kv_bytes"]
     head = f"{'part':<26} {'MB':>8} {'measured ms':>12} {'stream ms':>10} {'predicted ms':>13} {'GB/s':>6}"
