@@ -78,16 +78,18 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_tokens(text: str, name: str = "--context") -> int:
-    """``30000``, ``32k`` (= 32 x 1024) or ``1.5k`` -> a positive token count."""
+    """``30000``, ``32k`` (= 32 x 1024), ``1.5k`` or ``1m`` (= 1024 x 1024, a "1M context") -> a positive token
+    count."""
     raw = text.strip().lower()
+    scale = {"k": TOKENS_PER_K, "m": TOKENS_PER_K**2}.get(raw[-1:], 1)
     try:
-        value = float(raw[:-1]) * TOKENS_PER_K if raw.endswith("k") else float(raw)
+        value = float(raw[:-1] if scale > 1 else raw) * scale
     except ValueError:
         raise UsageError(
-            f"{name}: {text!r} is not a token count; allowed: a positive integer like 30000 or 32k"
+            f"{name}: {text!r} is not a token count; allowed: a positive integer like 30000, 32k or 1m"
         ) from None
     if value != int(value) or value < 1:
-        raise UsageError(f"{name}: {text!r}; allowed: a positive whole number of tokens like 30000 or 32k")
+        raise UsageError(f"{name}: {text!r}; allowed: a positive whole number of tokens like 30000, 32k or 1m")
     return int(value)
 
 
@@ -707,7 +709,7 @@ def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="kvlab", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="kvlab", description=__doc__.split("\n")[0].replace("``", ""))
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("predict", help="bytes per decode step and predicted TPOT")

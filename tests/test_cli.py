@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from kvlab import get_model
-from kvlab.cli import parse_tokens
+from kvlab.cli import UsageError, parse_tokens
 from kvlab.roofline import param_count
 from tests.helpers import run_cli
 
@@ -283,8 +283,12 @@ def test_predict_says_which_fp8_cache_it_counts(capsys):
     assert "scale and zero point" in int8["kv_scales"]
 
 
-def test_token_counts_accept_k_suffix():
+def test_token_counts_accept_k_and_m_suffixes():
     assert parse_tokens("32k") == 32768 and parse_tokens("1.5k") == 1536 and parse_tokens("30000") == 30000
+    assert parse_tokens("1m") == 1024 * 1024 and parse_tokens("0.5M") == 512 * 1024
+    for bad in ("m", "1g", "0.1k", "-1k"):
+        with pytest.raises(UsageError, match="--context"):
+            parse_tokens(bad)
 
 
 def test_models_and_gpus_list_the_presets(capsys):

@@ -224,6 +224,8 @@ class Engine:
         ``index`` has its last token (at clock time ``finish_s``) and returns the requests that this one's answer
         sets off, such as the conversation's next turn, whose prompt holds the reply. Each must arrive at or after
         ``finish_s``; they are numbered after every request before them, and their results follow in that order.
+        A request the engine cannot serve (ids outside the vocabulary, more tokens than the whole pool) raises
+        nothing: its result has ``error`` set and no tokens, and the others run as if it were absent.
         """
         if any(not isinstance(r, Request) for r in requests):
             raise ValueError(f"requests: {list(requests)!r}; allowed: a sequence of kvlab.engine.request.Request")
