@@ -1,10 +1,16 @@
 """Small shared builders for the tests: tiny model shapes that run in milliseconds, a greedy-token check that
-holds on any CPU, and the two ways a course checker is called (it passes silently, or fails saying what to fix)."""
+holds on any CPU, the two ways a course checker is called (it passes silently, or fails saying what to fix), and
+sweeps whose timings lie exactly on a line, for the measured checks."""
+
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
 
 from kvlab import Decoder, ModelConfig
+from kvlab.machine import Bandwidth
+from kvlab.measure import Sweep, SweepPoint
+from kvlab.metrics import RequestTiming
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -79,3 +85,26 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, s
         code = e.code
     out, err = capsys.readouterr()
     return code, out, err
+
+
+# A machine's bandwidth as the measured checks' tests assume it: 10 GB/s read and copy, one thread.
+BW = Bandwidth("cpu", 64.0, copy_gbps=10.0, read_gbps=10.0, copy_best_gbps=11.0, read_best_gbps=11.0, threads=1)
+
+
+def fake_sweep(
+    slope_us: float,
+    kv_per_token: float = 8192.0,
+    bandwidth: Bandwidth = BW,
+    intercept_ms: float = 2.0,
+    contexts: Sequence[int] = (512, 1024, 2048, 4096),
+    step_bytes: Callable[[int], int] = lambda context: 0,
+    weight_bytes: int = 0,
+) -> Sweep:
+    """A sweep whose TPOTs lie exactly on the line ``intercept_ms + slope_us x context``, so the measured checks run
+    without timing anything: one request per context, two tokens one TPOT apart."""
+    points = []
+    for context in contexts:
+        tpot = intercept_ms + slope_us * 1e-3 * context
+        request = RequestTiming((tpot / 1e3, 2 * tpot / 1e3))
+        points.append(SweepPoint(context, 1, [request], step_bytes(context), 0.0))
+    return Sweep("fake", "cpu", 1, "fast", bandwidth, kv_per_token, weight_bytes, points)

@@ -17,8 +17,9 @@ from kvlab import checks, get_model, roofline
 from kvlab.cache import KVCache
 from kvlab.kernels.reference import attend_slab
 from kvlab.machine.timing import Bandwidth
-from kvlab.measure.sweep import Sweep, SweepPoint
+from kvlab.measure.sweep import Sweep
 from kvlab.metrics import RequestTiming, fit_line, percentile
+from tests import helpers
 from tests.conftest import LESSONS, REPO
 from tests.helpers import assert_fails, assert_silent
 
@@ -53,13 +54,8 @@ def fit_tpot(x, y):
 
 
 def fake_sweep(slope_ms: float, bandwidth: Bandwidth, kv_per_token: float = 8192.0) -> Sweep:
-    """A sweep with exact TPOTs on a line, so band checks can be tested without timing anything."""
-    points = []
-    for context in (512, 1024, 2048, 4096):
-        tpot = 2.0 + slope_ms * context
-        request = RequestTiming((tpot / 1e3, 2 * tpot / 1e3))  # two tokens one TPOT apart
-        points.append(SweepPoint(context, 1, [request], 0, 0.0))
-    return Sweep("fake", "cpu", 1, "fast", bandwidth, kv_per_token, 0, points)
+    """``tests.helpers.fake_sweep`` with the slope in ms per token, as lesson 03's exercises state it."""
+    return helpers.fake_sweep(slope_ms * 1e3, kv_per_token, bandwidth)
 
 
 BW = Bandwidth("cpu", 256.0, copy_gbps=10.0, read_gbps=10.0, copy_best_gbps=11.0, read_best_gbps=11.0)

@@ -12,12 +12,13 @@ from autograde import hidden
 from kvlab import checks, get_model, roofline
 from kvlab.course import lesson06_gqa_mqa_mla as lesson06
 from kvlab.machine.timing import Bandwidth
-from kvlab.measure.sweep import Sweep, SweepPoint
+from kvlab.measure.sweep import Sweep
 from kvlab.metrics import RequestTiming, fit_line
 from kvlab.spec.config import MLAConfig
+from tests import helpers
 from tests.helpers import assert_fails, assert_silent
 
-BW = Bandwidth("cpu", 64.0, copy_gbps=10.0, read_gbps=10.0, copy_best_gbps=11.0, read_best_gbps=11.0, threads=1)
+BW = helpers.BW
 
 
 # -- reference answers, written the way a learner would -------------------------------------------------------------
@@ -58,12 +59,7 @@ def absorbed_step(cfg, context, batch):
 
 
 def fake_sweep(slope_us: float, kv_per_token: float, bandwidth: Bandwidth = BW, intercept_ms: float = 2.0) -> Sweep:
-    """A sweep whose TPOTs lie exactly on a line, so measured checks run without timing anything."""
-    points = []
-    for context in (1024, 2048, 4096, 8192):
-        tpot = intercept_ms + slope_us * 1e-3 * context
-        points.append(SweepPoint(context, 1, [RequestTiming((tpot / 1e3, 2 * tpot / 1e3))], 0, 0.0))
-    return Sweep("fake", "cpu", 1, "fast", bandwidth, kv_per_token, 0, points)
+    return helpers.fake_sweep(slope_us, kv_per_token, bandwidth, intercept_ms, contexts=(1024, 2048, 4096, 8192))
 
 
 def layout_sweeps(slopes_us: dict[int, float], bandwidth: Bandwidth = BW) -> dict[int, Sweep]:

@@ -12,11 +12,11 @@ from autograde import hidden
 from kvlab import checks, roofline
 from kvlab.machine.timing import Bandwidth
 from kvlab.measure.quality import NeedleResult, PerplexityResult, needle_prompts
-from kvlab.measure.sweep import Sweep, SweepPoint
-from kvlab.metrics import RequestTiming
+from kvlab.measure.sweep import Sweep
+from tests import helpers
 from tests.helpers import assert_fails, assert_silent
 
-BW = Bandwidth("cpu", 64.0, copy_gbps=10.0, read_gbps=10.0, copy_best_gbps=11.0, read_best_gbps=11.0, threads=1)
+BW = helpers.BW
 
 
 # -- reference answers, written the way a learner would -------------------------------------------------------------
@@ -162,13 +162,15 @@ def test_largest_distance_slips():
 
 # -- exercise 4, measured ----------------------------------------------------------------------------------------------
 def fake_sweep(slope_us: float, flat: bool, bandwidth: Bandwidth = BW) -> Sweep:
-    """A sweep whose TPOTs lie exactly on a line; a window's reads the same bytes at every context."""
-    points = []
-    for context in (1024, 2048, 4096, 8192):
-        tpot = 2.0 + slope_us * 1e-3 * context
-        step_bytes = 1000 + (1024 if flat else context) * 64
-        points.append(SweepPoint(context, 1, [RequestTiming((tpot / 1e3, 2 * tpot / 1e3))], step_bytes, 0.0))
-    return Sweep("fake", "cpu", 1, "fast", bandwidth, 64.0, 1000, points)
+    """A window's sweep reads the same bytes at every context (``flat``), the full cache's grow with it."""
+    return helpers.fake_sweep(
+        slope_us,
+        64.0,
+        bandwidth,
+        contexts=(1024, 2048, 4096, 8192),
+        step_bytes=lambda context: 1000 + (1024 if flat else context) * 64,
+        weight_bytes=1000,
+    )
 
 
 def test_window_share_passes_and_checks_consistency(capsys):

@@ -15,11 +15,12 @@ from kvlab import checks, roofline
 from kvlab.course import lesson09_kv_quantization as lesson09
 from kvlab.kernels.reference import decode_attention
 from kvlab.machine.timing import Bandwidth
-from kvlab.measure.sweep import Sweep, SweepPoint
+from kvlab.measure.sweep import Sweep
 from kvlab.metrics import RequestTiming
+from tests import helpers
 from tests.helpers import Remeasure, assert_fails, assert_silent
 
-BW = Bandwidth("cpu", 64.0, copy_gbps=10.0, read_gbps=10.0, copy_best_gbps=11.0, read_best_gbps=11.0, threads=1)
+BW = helpers.BW
 
 
 # -- reference answers, written the way a learner would -------------------------------------------------------------
@@ -82,12 +83,7 @@ def kivi_error(q, k, v, bits, group_size, key_quant, value_dim=3, scale=True):
 
 
 def fake_sweep(slope_us: float, kv_per_token: float, bandwidth: Bandwidth = BW, intercept_ms: float = 3.0) -> Sweep:
-    """A sweep whose TPOTs lie exactly on a line, so the measured check runs without timing anything."""
-    points = []
-    for context in (512, 1024, 2048, 4096):
-        tpot = intercept_ms + slope_us * 1e-3 * context
-        points.append(SweepPoint(context, 1, [RequestTiming((tpot / 1e3, 2 * tpot / 1e3))], 0, 0.0))
-    return Sweep("fake", "cpu", 1, "fast", bandwidth, kv_per_token, 0, points)
+    return helpers.fake_sweep(slope_us, kv_per_token, bandwidth, intercept_ms)
 
 
 # µs per token; bytes per token as cpu-tiny's caches store them. At 10 GB/s fp32's bytes alone take 0.82 µs.
