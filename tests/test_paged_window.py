@@ -212,3 +212,14 @@ def test_the_pool_releases_a_full_block_into_a_hole_and_refuses_the_rest() -> No
     pool.free(child)
     pool.free(seq)
     assert pool.n_free == 6
+
+
+def test_releasing_what_a_window_passed_walks_back_to_the_first_hole() -> None:
+    pool = BlockPool(n_blocks=8, block_size=4)
+    seq, _ = pool.add_sequence()
+    pool.append([seq], 21)  # blocks 0-4 full, 5 partly filled
+    pool.release_block(seq, 1)  # released on an earlier step
+    assert pool.release_gone(seq, range(1, 4))  # 3 and 2 go back; the walk stops at the hole at 1
+    assert pool.block_table(seq)[:5] == [pool.block_table(seq)[0], HOLE, HOLE, HOLE, pool.block_table(seq)[4]]
+    assert not pool.release_gone(seq, range(1, 4))  # nothing left to give back
+    assert pool.n_free == 8 - 3

@@ -33,12 +33,6 @@ def test_importing_the_scheduler_and_the_clocks_loads_no_torch() -> None:
     assert json.loads(out.stdout) is False
 
 
-def test_the_schedulers_hole_is_the_pools() -> None:
-    from kvlab.engine import scheduler
-
-    assert scheduler._HOLE == HOLE
-
-
 def test_admission_stops_when_the_pool_cannot_hold_another_prompt_and_decode() -> None:
     # Blocks of 4: a 7-token prompt and its first decode (8 tokens) take 2 blocks; 7 blocks admit 3 (6 <= 7 < 8).
     s = Scheduler(BlockPool(7, 4), max_batch=8, token_budget=512)

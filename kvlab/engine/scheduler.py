@@ -29,10 +29,6 @@ if TYPE_CHECKING:
     from kvlab.cache.storage.block_pool import BlockPool
     from kvlab.engine.request import RequestHandle
 
-# kvlab.cache.storage.block_pool.HOLE, a released table entry. Imported at run time, kvlab.cache would load torch
-# (its package imports every cache); tests/test_scheduler.py checks the two agree.
-_HOLE = -1
-
 
 @dataclass(frozen=True)
 class ModelCall:
@@ -271,16 +267,11 @@ class Scheduler:
     def _release_evicted(self, seq_ids: Sequence[int], plan: StepPlan) -> None:
         """With a window: give back each sequence's blocks that no query of the coming call sees (after the sinks'
         blocks, before the block holding the oldest token the first new query's window reaches). The first new
-        token sits at the sequence's length; the ones before the newest evicted block went back on earlier calls
-        (holes), unless the sequence began with prefix hits, which this walk back then releases too."""
+        token sits at the sequence's length."""
         if self.keep.window is None:
             return
         for seq_id in seq_ids:
-            table, n = self.pool.block_table(seq_id), self.pool.length(seq_id)
-            for index in reversed(blocks_inside(self.keep.gone(n), self.block_size)):
-                if table[index] == _HOLE:
-                    break
-                self.pool.release_block(seq_id, index)
+            self.pool.release_gone(seq_id, blocks_inside(self.keep.gone(self.pool.length(seq_id)), self.block_size))
 
     def _free(self, seq_id: int, ops: list[Admit | Free | ScheduledCall]) -> None:
         self.pool.free(seq_id)

@@ -261,6 +261,18 @@ class BlockPool:
             self._release(seq.blocks[index])
             seq.blocks[index] = HOLE
 
+    def release_gone(self, seq_id: int, indices: range) -> bool:
+        """Give back the entries ``indices`` of a sequence's table that a sliding window has passed, newest first,
+        stopping at the first hole: the older ones went back on earlier steps, unless the sequence began with
+        prefix hits, whose blocks this walk then gives back too. Whether any went back."""
+        blocks, released = self._seq(seq_id).blocks, False
+        for index in reversed(indices):
+            if blocks[index] == HOLE:
+                break
+            self.release_block(seq_id, index)
+            released = True
+        return released
+
     # -- internals --------------------------------------------------------------------------------------------
     def _seq(self, seq_id: int) -> _Seq:
         if seq_id not in self._seqs:

@@ -470,14 +470,8 @@ class PagedKVCache(KVCache):
             return False
         released = False
         for seq_id in self._seq_ids:
-            table, n = self.pool.block_table(seq_id), self.pool.length(seq_id)
-            # Walk back from the newest evicted block: the ones before it went back on earlier steps (holes), unless
-            # the sequence began with prefix hits, whose blocks this walk then gives back too.
-            for index in reversed(self.keep.blocks_gone(n, self.block_size)):
-                if table[index] == HOLE:
-                    break
-                self.pool.release_block(seq_id, index)
-                released = True
+            gone = self.keep.blocks_gone(self.pool.length(seq_id), self.block_size)
+            released |= self.pool.release_gone(seq_id, gone)
         return released
 
     def _attend_kept(
