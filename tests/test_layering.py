@@ -19,6 +19,7 @@ import pkgutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -164,7 +165,8 @@ def test_the_check_sees_an_upward_import() -> None:
         assert "kvlab.cache.base" in forked["kvlab.checks"]["kvlab"] and forked["kvlab.model.decoder"]["torch"]
 
 
-def _imports_anywhere(module: str) -> set[str]:
+@cache  # four tests ask for every module's imports
+def _imports_anywhere(module: str) -> frozenset[str]:
     """Every kvlab module ``module``'s source names in an import: at the top, inside a function, under
     ``TYPE_CHECKING``. The probe above sees only what loads at import time; a cycle hidden in a function body or a
     type annotation is still a cycle a reader must hold in their head."""
@@ -182,7 +184,7 @@ def _imports_anywhere(module: str) -> set[str]:
                 base = ".".join(parts + ([base] if base else []))
             # `from kvlab.cache import paged` imports a module; `from kvlab.cache import KVCache` a name of the package
             found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names}
-    return {m for m in found if m == "kvlab" or m.startswith("kvlab.")}
+    return frozenset(m for m in found if m == "kvlab" or m.startswith("kvlab."))
 
 
 def _package(module: str) -> str:
