@@ -9,11 +9,23 @@ Everything at one thread count is measured in one loop, one call of each candida
 of load from elsewhere slows each a little rather than one a lot:
 1. the copy and read probes (``kvlab.machine.timing.measure_bandwidth``);
 2. one pass of every projection of a step (8 layers and the head, the model's own weights, in step order) by each
-   kernel: summing the same tensors (a read-only stream), torch's ``x @ W`` (MKL in torch's x86 wheels),
+   kernel: summing the same tensors (a read-only stream), torch's ``x @ W`` (MKL in torch's x86 wheels), at more
+   than one thread the weight's columns cut into one block per thread and multiplied as one ``bmm`` (what the
+   model runs for a batched step's large weights, ``kvlab.model.weights.column_blocks_matmul``; one row here),
    ``F.linear`` on ``[out, in]`` copies, numpy's BLAS (OpenBLAS in numpy's wheels, held to the same thread count
    through threadpoolctl, when it is installed), and int8 through PyTorch's dynamic quantized linear (what
    ``Decoder(weight_dtype="int8")`` runs), whose bytes are a quarter;
-3. the model's zero-context decode step, against the weight bytes over the read bandwidth (predicted).
+3. the model's zero-context decode step, against the weight bytes over the read bandwidth (predicted), and the
+   eager floor: the same step written as one flat function over preallocated K/V slabs (``eager_floor``), with no
+   modules, no cache object and no checks, which is as few PyTorch calls as eager mode can run it in. The gap
+   between the two is kvlab's own overhead; the gap between the floor and the weight bytes is PyTorch's per-call
+   dispatch, which only a compiler removes.
+
+numpy's candidate runs in a loop of its own after the others, with OpenBLAS held to one thread again at the end:
+OpenBLAS keeps its threads spinning after a call, and beside torch's OpenMP team they took the second CPU from every
+other two-thread measurement in the loop (docs/cpu_performance.md, section G). With several thread counts, the step
+is also timed with the counts alternating from one call to the next, so that "two threads against one" compares
+steps taken in the same seconds.
 
 A benchmark, not a test: say how loaded the machine was (the script prints the load average where it can).
 """
@@ -24,15 +36,23 @@ import argparse
 import json
 import os
 import statistics
+from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from kvlab import Decoder, get_model
-from kvlab.machine.timing import CLOCKS, bandwidth_buffer_mb, load_average, machine_info, time_interleaved
+from kvlab.machine.timing import (
+    CLOCKS,
+    bandwidth_buffer_mb,
+    load_average,
+    machine_info,
+    time_call,
+    time_interleaved,
+)
 from kvlab.measure.step_time import layer_weights
-from kvlab.model.weights import WeightFormat
+from kvlab.model.weights import WeightFormat, column_blocks_matmul
 from kvlab.roofline import weight_bytes_read
 
 # llama.cpp 0c1e570 on cpu-small converted to GGUF F32, zero-context step, 2-core AMD EPYC Zen 3
@@ -40,13 +60,12 @@ from kvlab.roofline import weight_bytes_read
 LLAMA_CPP_F32_MS = {1: 6.6, 2: 5.1}
 
 
-def matvec_candidates(model: Decoder, threads: int) -> tuple[dict[str, object], dict[str, int]]:
-    """One pass of a step's projections per candidate kernel, and the bytes each pass reads."""
+def matvec_candidates(model: Decoder) -> tuple[dict[str, object], dict[str, int]]:
+    """One pass of a step's projections per torch kernel, and the bytes each pass reads."""
     weights = [w for layer in layer_weights(model) for w in layer]
     xs = [torch.randn(1, w.shape[0]) for w in weights]
     transposed = [w.detach().T.contiguous() for w in weights]  # nn.Linear's [out, in]
     int8 = WeightFormat("int8")
-    numpy_matmul = numpy_candidate(weights, xs, threads)
 
     def run(fn):
         def one_pass() -> None:
@@ -61,32 +80,128 @@ def matvec_candidates(model: Decoder, threads: int) -> tuple[dict[str, object], 
         "F.linear [out, in]": run(lambda i: F.linear(xs[i], transposed[i])),
         "int8 dynamic linear": run(lambda i: int8.matmul(xs[i], weights[i])),
     }
-    if numpy_matmul is not None:
-        candidates["numpy x @ W (BLAS)"] = run(numpy_matmul)
+    threads = torch.get_num_threads()
+    if threads > 1:
+        candidates[f"{threads} column blocks (bmm)"] = run(lambda i: column_blocks_matmul(xs[i], weights[i], threads))
     fp32_bytes = sum(w.numel() * 4 for w in weights)
     nbytes = dict.fromkeys(candidates, fp32_bytes)
     nbytes["int8 dynamic linear"] = sum(int8.weight_bytes(w) for w in weights)
     return candidates, nbytes
 
 
-def step_candidates(model: Decoder, repeats: int) -> dict[str, object]:
-    """The model's zero-context decode step (one token into an empty cache, over and over)."""
-    cache = model.new_cache(1, 2 * repeats + 16)
+def zero_context_step(model: Decoder) -> Callable[[], torch.Tensor]:
+    """One token into an empty cache, rolled back after each step so that every call reads no K/V."""
+    cache = model.new_cache(1, 16)
     token = torch.zeros(1, dtype=torch.long)
-    return {f"step, {model.weight_dtype}": lambda: model.decode_step(token, cache)}
+
+    def step() -> torch.Tensor:
+        logits = model.decode_step(token, cache)
+        cache.truncate(0)
+        return logits
+
+    return step
 
 
-def numpy_candidate(weights: list[torch.Tensor], xs: list[torch.Tensor], threads: int):
-    """numpy's ``x @ W`` over the same weights with its BLAS held to ``threads``, or None without threadpoolctl."""
+def eager_floor(model: Decoder, capacity: int) -> Callable[[int], torch.Tensor] | None:
+    """``model``'s decode step as one flat function, ``token -> logits [vocab]``: the fewest PyTorch calls eager mode
+    can run it in, as a measuring instrument (``check_floor`` holds it to the model's logits).
+
+    The same arithmetic as ``Decoder.decode_step`` for a dense fp32 model with global attention, with every
+    abstraction taken out: weights fetched once, K/V in preallocated slabs (keys key-major) indexed in place, no
+    module calls, no cache object, no input checks. The products are the model's own (``WeightFormat.matmul``), so
+    the floor changes kernels with the thread count as the model does. Positions advance by one per call and wrap
+    at ``capacity``. None for a model it does not cover (MLA, MoE, sliding-window layers, a weight precision other
+    than fp32).
+    """
+    cfg = model.cfg
+    if cfg.mla is not None or cfg.moe is not None or any(cfg.layer_windows or ()) or model.weight_dtype != "fp32":
+        return None
+    h, hkv, d, width = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
+    layers = [
+        [t.detach() for t in (b.attn_norm.weight, b.attn.wqkv, b.attn.wo, b.mlp_norm.weight, b.mlp.w_gate_up)]
+        + [b.mlp.w_down.detach()]
+        for b in model.layers
+    ]
+    embed, final_norm = model.embed.weight.detach(), model.norm.weight.detach()
+    head = embed.T if model.lm_head is None else model.lm_head.detach()
+    keys = [torch.zeros(hkv, d, capacity, dtype=embed.dtype) for _ in layers]
+    values = [torch.zeros(hkv, capacity, d, dtype=embed.dtype) for _ in layers]
+    cos, sin = model.rope.span(0, capacity)  # [capacity, 1, d], rotate-half's sign folded into sin
+    eps, scale, half, mm = torch.tensor(cfg.norm_eps), d**-0.5, d // 2, model.weights.matmul
+    position = 0
+
+    def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        length = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+        return x * torch.addcmul(eps, length, length, value=1 / width).rsqrt_() * weight
+
+    def step(token: int) -> torch.Tensor:
+        nonlocal position
+        p, position = position % capacity, position + 1
+        x = embed[token].view(1, width)
+        for (attn_norm, wqkv, wo, mlp_norm, w_gate_up, w_down), k, v in zip(layers, keys, values, strict=True):
+            qkv = mm(norm(x, attn_norm), wqkv).view(h + 2 * hkv, d)
+            qk = torch.addcmul(qkv[: h + hkv] * cos[p], qkv[: h + hkv].roll(half, -1), sin[p])
+            k[:, :, p] = qk[h:]
+            v[:, p] = qkv[h + hkv :]
+            scores = torch.matmul(qk[:h].view(hkv, h // hkv, d) * scale, k[:, :, : p + 1])
+            x = x + mm(torch.matmul(torch.softmax(scores, -1), v[:, : p + 1]).view(1, h * d), wo)
+            gate, up = mm(norm(x, mlp_norm), w_gate_up).chunk(2, -1)
+            x = x + mm(F.silu(gate) * up, w_down)
+        return mm(norm(x, final_norm), head)[0]
+
+    return step
+
+
+def check_floor(model: Decoder, tokens: list[int], floor: Callable[[int], torch.Tensor] | None = None) -> float:
+    """Feed ``tokens`` one at a time to the model and to ``floor`` (default: a fresh ``eager_floor``); the largest
+    logit difference.
+
+    Raises if they differ by more than fp32 rounding: the floor times the model's step only if it computes it.
+    """
+    floor = eager_floor(model, len(tokens)) if floor is None else floor
+    cache = model.new_cache(1, len(tokens))
+    worst = 0.0
+    for t in tokens:
+        want, got = model.decode_step(torch.tensor([t]), cache)[0], floor(t)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        worst = max(worst, (got - want).abs().max().item())
+    return worst
+
+
+def numpy_pass(model: Decoder, threads: int, repeats: int, clock: str) -> dict | None:
+    """numpy's ``x @ W`` over a step's weights with its BLAS held to ``threads`` for this loop only (then back to
+    what ``hold_blas_to_one_thread`` set); None without threadpoolctl."""
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:
         print("numpy candidate skipped: pip install threadpoolctl to hold numpy's BLAS to a thread count")
         return None
-    threadpool_limits(threads, user_api="blas")
-    wn, xn = [w.detach().numpy() for w in weights], [x.numpy() for x in xs]
-    outs = [np.empty((1, w.shape[1]), np.float32) for w in wn]
-    return lambda i: np.matmul(xn[i], wn[i], out=outs[i])
+    weights = [w.detach().numpy() for layer in layer_weights(model) for w in layer]
+    xs = [np.random.default_rng(0).standard_normal((1, w.shape[0]), dtype=np.float32) for w in weights]
+    outs = [np.empty((1, w.shape[1]), np.float32) for w in weights]
+
+    def one_pass() -> None:
+        for x, w, out in zip(xs, weights, outs, strict=True):
+            np.matmul(x, w, out=out)
+
+    with threadpool_limits(threads, user_api="blas"):
+        (seconds,) = time_interleaved({"numpy": one_pass}, repeats, warmup=2, clock=clock).values()
+    mb = sum(w.nbytes for w in weights) / 1e6
+    ms = statistics.median(seconds) * 1e3
+    return {"ms": ms, "mb": mb, "gbps": mb / ms}
+
+
+def steps_alternating(model: Decoder, thread_counts: list[int], repeats: int) -> dict[int, float]:
+    """Median ms of the zero-context step at each thread count, the counts taking turns call by call (wall clock),
+    so that the comparison holds whatever else the machine did meanwhile. Each turn's first step is not timed: it
+    pays for waking the other threads."""
+    step = zero_context_step(model)
+    times: dict[int, list[float]] = {t: [] for t in thread_counts}
+    for _ in range(repeats):
+        for t in thread_counts:
+            torch.set_num_threads(t)
+            times[t] += time_call(step, 3, warmup=1)
+    return {t: statistics.median(v) * 1e3 for t, v in times.items()}
 
 
 def probes(size_mb: float) -> dict[str, object]:
@@ -98,20 +213,27 @@ def probes(size_mb: float) -> dict[str, object]:
 @torch.inference_mode()
 def measure(model: Decoder, threads: int, repeats: int, clock: str, size_mb: float) -> dict:
     torch.set_num_threads(threads)
-    candidates, nbytes = matvec_candidates(model, threads)
-    steps = step_candidates(model, repeats)
+    candidates, nbytes = matvec_candidates(model)
+    steps = {f"step, {model.weight_dtype}": zero_context_step(model)}
+    floor = eager_floor(model, capacity=16)
+    if floor is not None:
+        steps["eager floor (same step, flat)"] = lambda: floor(0)
     fns = probes(size_mb) | candidates | steps
     times = time_interleaved(fns, repeats, warmup=2, clock=clock)
     ms = {k: statistics.median(t) * 1e3 for k, t in times.items()}
     buffer = int(size_mb * 1e6 / 4) * 4
     copy_gbps, read_gbps = 2 * buffer / ms["copy probe"] / 1e6, buffer / ms["read probe"] / 1e6
+    matvec = {k: {"ms": ms[k], "mb": nbytes[k] / 1e6, "gbps": nbytes[k] / ms[k] / 1e6} for k in candidates}
+    numpy = numpy_pass(model, threads, repeats, clock)
+    if numpy is not None:
+        matvec["numpy x @ W (BLAS), own loop"] = numpy
     step_bytes = weight_bytes_read(model.cfg)
     return {
         "threads": threads,
         "load": load_average(),
         "copy_gbps": copy_gbps,
         "read_gbps": read_gbps,
-        "matvec": {k: {"ms": ms[k], "mb": nbytes[k] / 1e6, "gbps": nbytes[k] / ms[k] / 1e6} for k in candidates},
+        "matvec": matvec,
         "step": {k: ms[k] for k in steps},
         "step_weight_mb": step_bytes / 1e6,
         "predicted_read_ms": step_bytes / read_gbps / 1e6,
@@ -141,6 +263,16 @@ def report(r: dict, preset: str) -> list[str]:
     return lines
 
 
+def hold_blas_to_one_thread() -> None:
+    """Keep numpy's BLAS at one thread outside its own loop: its idle threads spin, and at two torch threads they
+    took the second CPU from torch's."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return
+    threadpool_limits(1, user_api="blas")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="cpu-small")
@@ -159,6 +291,12 @@ def main() -> None:
         raise ValueError(f"--clock thread with --threads {args.threads}; allowed: --threads 1 (it counts one thread)")
     model = Decoder(get_model(args.preset), device="cpu")
     print("environment:", json.dumps(machine_info()), "| OPENBLAS_NUM_THREADS:", os.environ.get("OPENBLAS_NUM_THREADS"))
+    hold_blas_to_one_thread()
+    floor_diff = None
+    if eager_floor(model, 1) is not None:
+        with torch.inference_mode():
+            floor_diff = check_floor(model, list(range(1, 9)))
+        print(f"eager floor: the model's logits over 8 steps, largest difference {floor_diff:.1e}")
     size_mb = bandwidth_buffer_mb(quick=args.quick)
     results = []
     for t in thread_counts:
@@ -167,14 +305,22 @@ def main() -> None:
     print(
         "\nweight term of copy: the weight bytes over copy bandwidth, divided by the measured step (the issue's "
         "measure; the target is 80%).\nx llama.cpp F32: the step over llama.cpp's on the same model and CPU kind "
-        "(target: 1.2 at most)."
+        "(target: 1.2 at most).\neager floor: the same step with kvlab's modules, cache object and checks taken out "
+        "(eager_floor); what is left above the weight bytes is PyTorch's cost per call."
     )
-    if len(results) == 2:
-        one, two = (min(r["step"].values()) for r in results)
-        print(f"fastest step: {one:.2f} ms at {thread_counts[0]} thread(s), {two:.2f} ms at {thread_counts[1]}")
+    alternating = None
+    if len(thread_counts) > 1 and args.clock == "wall":
+        with torch.inference_mode():
+            alternating = steps_alternating(model, thread_counts, args.repeats)
+        print(
+            "zero-context step, thread counts alternating call by call: "
+            + ", ".join(f"{ms:.2f} ms at {t} thread(s)" for t, ms in alternating.items())
+        )
     if args.json:
+        result = {"environment": machine_info(), "preset": args.preset, "results": results}
+        result |= {"alternating_ms": alternating, "floor_max_logit_diff": floor_diff}
         with open(args.json, "w") as f:
-            json.dump({"environment": machine_info(), "preset": args.preset, "results": results}, f, indent=2)
+            json.dump(result, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -100,3 +100,52 @@ def test_int8_weight_bytes_checker_passes_the_reference_and_fails_the_slips():
             check_int8_weight_bytes(slip)
         with pytest.raises(AssertionError, match="int8_weight_bytes"):
             hidden.check_int8_weight_bytes(slip)
+
+
+@pytest.fixture
+def threads():
+    """Set torch's thread count for one test and restore it afterwards."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("blocks", [2, 3, 4])
+def test_column_blocks_product_is_the_plain_product(blocks):
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 12 * 64, generator=gen)
+    tied = torch.randn(12 * 64, 96, generator=gen).T  # a tied LM head: the embedding's transpose, not contiguous
+    for x in (torch.randn(1, 96, generator=gen), torch.randn(2, 3, 96, generator=gen)):
+        for weight in (w, tied):
+            out = kvlab.model.weights.column_blocks_matmul(x, weight, blocks)
+            assert out.shape == (*x.shape[:-1], weight.shape[1])
+            assert_close(out, x @ weight, rtol=1e-5, atol=1e-5)
+
+
+def test_columns_split_only_where_it_pays(monkeypatch):
+    splits = kvlab.model.weights.splits_columns
+    monkeypatch.setattr(kvlab.model.weights, "SPLIT_MIN_WEIGHTS", 64 * 64)
+    rows, big = torch.randn(4, 64), torch.randn(64, 64)
+    assert splits(rows, big, 2) and splits(torch.randn(2, 2, 64), big, 4) and splits(torch.randn(64, 64), big, 2)
+    assert not splits(rows, torch.randn(64, 63), 2)  # columns not divisible by the threads
+    assert not splits(rows, torch.randn(32, 64), 2)  # below the size where the second thread pays
+    assert not splits(torch.randn(1, 1, 64), big, 2) and not splits(torch.randn(3, 64), big, 2)  # one decode row
+    assert not splits(torch.randn(65, 64), big, 2)  # a prefill: MKL threads it itself
+
+
+def test_batched_step_at_two_threads_runs_the_column_blocks_and_matches_one_thread(monkeypatch, threads):
+    cfg = tiny_config(d_model=128, d_ff=256, vocab_size=512)
+    model = Decoder(cfg, device="cpu", seed=0)
+    tokens = torch.randint(0, 512, (4, 9), generator=torch.Generator().manual_seed(1))  # a batch of 4: split
+    calls = []
+    blocks = kvlab.model.weights.column_blocks_matmul
+    monkeypatch.setattr(kvlab.model.weights, "SPLIT_MIN_WEIGHTS", 128 * 128)
+    monkeypatch.setattr(kvlab.model.weights, "column_blocks_matmul", lambda *a: calls.append(a[2]) or blocks(*a))
+    logits = {}
+    for n in (1, 2):
+        threads(n)
+        cache = model.new_cache(4, 16)
+        model.prefill(tokens[:, :-1], cache)
+        logits[n] = model.decode_step(tokens[:, -1], cache)
+    assert calls and set(calls) == {2}  # only at two threads, and for the large weights
+    assert_close(logits[2], logits[1], rtol=1e-5, atol=1e-5)

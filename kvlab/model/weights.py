@@ -7,8 +7,11 @@ each one, rebuilt whenever the parameter changes (``Tensor._version``), so loadi
 in place needs no extra call.
 
 - ``fp32``: ``x @ w``, torch's own kernel. On a 2-core AMD EPYC (Zen 3) its one-row product reads the weights at
-  the speed of summing them, and numpy's OpenBLAS, the other kernel a laptop has, was no faster at one thread and
-  far slower at two on a busy machine (docs/cpu_performance.md, ``benchmarks/weight_term.py``).
+  the speed of summing them at one thread, and numpy's OpenBLAS, the other kernel a laptop has, gained nothing
+  inside a step (docs/cpu_performance.md, ``benchmarks/weight_term.py``). But MKL runs a product of a few rows on
+  one thread whatever torch's thread count, so with more threads a batched step's products (``SPLIT_ROWS``) cut a
+  large weight's columns into one block per thread and run them as one batched product, which MKL spreads over the
+  threads (``column_blocks_matmul``).
 - ``int8``: symmetric, one fp32 scale per output channel, through PyTorch's dynamic quantized linear (fbgemm on
   x86, qnnpack on ARM): the activation row is quantized on the fly, the product runs in integers.
 - ``bf16``, ``fp16``: weights stored in half precision; the activation is cast to match and the product cast back
@@ -80,6 +83,9 @@ class WeightFormat:
     def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in]`` times the fp32 weight ``w`` ``[in, out]`` -> ``[..., out]``, in this precision."""
         if self.dtype == "fp32":
+            threads = torch.get_num_threads()
+            if threads > 1 and splits_columns(x, w, threads):
+                return column_blocks_matmul(x, w, threads)
             return x @ w
         # A packed format is for inference: its kernels carry no gradient.
         packed = self._pack(w)
@@ -111,6 +117,34 @@ class WeightFormat:
 
 
 _TORCH = {"bf16": "bfloat16", "fp16": "float16"}
+
+# Where cutting a product into one block of columns per thread paid, measured on a 2-core AMD EPYC at two threads
+# (docs/cpu_performance.md, section G): a batched step's products of 4 to 64 rows ran 7-35% faster over cpu-small's
+# weights; one row and two rows gained nothing that repeated runs agreed on; a 512 x 512 weight (1 MB) gained nothing.
+SPLIT_MIN_WEIGHTS = 1 << 19
+SPLIT_ROWS = range(4, 65)
+
+
+def splits_columns(x: torch.Tensor, w: torch.Tensor, threads: int) -> bool:
+    """Whether ``WeightFormat.matmul`` runs ``x @ w`` as ``column_blocks_matmul`` at ``threads``: a CPU product whose
+    row count lies in ``SPLIT_ROWS``, by a weight of ``SPLIT_MIN_WEIGHTS`` or more whose columns divide evenly."""
+    return (
+        w.device.type == "cpu"
+        and w.numel() >= SPLIT_MIN_WEIGHTS
+        and w.shape[1] % threads == 0
+        and x.numel() // x.shape[-1] in SPLIT_ROWS
+    )
+
+
+def column_blocks_matmul(x: torch.Tensor, w: torch.Tensor, blocks: int) -> torch.Tensor:
+    """``x @ w`` (``[..., in]`` by ``[in, out]``) as one batched product over ``blocks`` column blocks of ``w``.
+
+    MKL computes a product of a few rows on one thread, so at two threads a batched decode step streamed its weights
+    at one core's bandwidth. The blocks are views (``w`` is not copied), and ``bmm`` hands each to its own thread.
+    """
+    rows = x.reshape(-1, x.shape[-1])
+    parts = torch.bmm(rows.expand(blocks, *rows.shape), w.unflatten(1, (blocks, -1)).movedim(1, 0))
+    return parts.transpose(0, 1).reshape(*x.shape[:-1], w.shape[1])
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
