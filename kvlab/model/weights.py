@@ -119,10 +119,11 @@ class WeightFormat:
 _TORCH = {"bf16": "bfloat16", "fp16": "float16"}
 
 # Where cutting a product into one block of columns per thread paid, measured on a 2-core AMD EPYC at two threads
-# (docs/cpu_performance.md, section G): a batched step's products of 4 to 64 rows ran 7-35% faster over cpu-small's
-# weights; one row and two rows gained nothing that repeated runs agreed on; a 512 x 512 weight (1 MB) gained nothing.
+# (docs/cpu_performance.md, section G): a batched step's products of 2 to 64 rows ran 7-35% faster over cpu-small's
+# weights; one row gained nothing that repeated runs agreed on (bmm does not spread a one-row product either), and
+# a 512 x 512 weight (1 MB) gained nothing.
 SPLIT_MIN_WEIGHTS = 1 << 19
-SPLIT_ROWS = range(4, 65)
+SPLIT_ROWS = range(2, 65)
 
 
 def splits_columns(x: torch.Tensor, w: torch.Tensor, threads: int) -> bool:
