@@ -9,17 +9,17 @@ Everything at one thread count is measured in one loop, one call of each candida
 of load from elsewhere slows each a little rather than one a lot:
 1. the copy and read probes (``kvlab.machine.timing.measure_bandwidth``);
 2. one pass of every projection of a step (8 layers and the head, the model's own weights, in step order) by each
-   kernel: summing the same tensors (a read-only stream), torch's ``x @ W`` (MKL in torch's x86 wheels), at more
-   than one thread the weight's columns cut into one block per thread and multiplied as one ``bmm`` (what the
-   model runs for a batched step's large weights, ``kvlab.model.weights.column_blocks_matmul``; one row here),
+   kernel: summing the same tensors (a read-only stream), torch's ``x @ W`` (MKL in torch's x86 wheels),
    ``F.linear`` on ``[out, in]`` copies, numpy's BLAS (OpenBLAS in numpy's wheels, held to the same thread count
    through threadpoolctl, when it is installed), and int8 through PyTorch's dynamic quantized linear (what
    ``Decoder(weight_dtype="int8")`` runs), whose bytes are a quarter;
 3. the model's zero-context decode step, against the weight bytes over the read bandwidth (predicted), and the
    eager floor: the same step written as one flat function over preallocated K/V slabs (``eager_floor``), with no
-   modules, no cache object and no checks, which is as few PyTorch calls as eager mode can run it in. The gap
+   modules, no cache object and no checks, about as few PyTorch calls as eager mode allows. The gap
    between the two is kvlab's own overhead; the gap between the floor and the weight bytes is PyTorch's per-call
-   dispatch, which only a compiler removes.
+   dispatch, which only a compiler removes;
+4. at more than one thread, the weights the model cuts into column blocks (``kvlab.model.weights.splits_columns``):
+   a pass over them by ``x @ W`` and by ``column_blocks_matmul``, at 1, 2, 4 and 8 rows.
 
 numpy's candidate runs in a loop of its own after the others, with OpenBLAS held to one thread again at the end:
 OpenBLAS keeps its threads spinning after a call, and beside torch's OpenMP team they took the second CPU from every
@@ -52,7 +52,7 @@ from kvlab.machine.timing import (
     time_interleaved,
 )
 from kvlab.measure.step_time import layer_weights
-from kvlab.model.weights import WeightFormat, column_blocks_matmul
+from kvlab.model.weights import WeightFormat, column_blocks_matmul, splits_columns
 from kvlab.roofline import weight_bytes_read
 
 # llama.cpp 0c1e570 on cpu-small converted to GGUF F32, zero-context step, 2-core AMD EPYC Zen 3
@@ -80,9 +80,6 @@ def matvec_candidates(model: Decoder) -> tuple[dict[str, object], dict[str, int]
         "F.linear [out, in]": run(lambda i: F.linear(xs[i], transposed[i])),
         "int8 dynamic linear": run(lambda i: int8.matmul(xs[i], weights[i])),
     }
-    threads = torch.get_num_threads()
-    if threads > 1:
-        candidates[f"{threads} column blocks (bmm)"] = run(lambda i: column_blocks_matmul(xs[i], weights[i], threads))
     fp32_bytes = sum(w.numel() * 4 for w in weights)
     nbytes = dict.fromkeys(candidates, fp32_bytes)
     nbytes["int8 dynamic linear"] = sum(int8.weight_bytes(w) for w in weights)
@@ -102,20 +99,31 @@ def zero_context_step(model: Decoder) -> Callable[[], torch.Tensor]:
     return step
 
 
-def eager_floor(model: Decoder, capacity: int) -> Callable[[int], torch.Tensor] | None:
-    """``model``'s decode step as one flat function, ``token -> logits [vocab]``: the fewest PyTorch calls eager mode
-    can run it in, as a measuring instrument (``check_floor`` holds it to the model's logits).
-
-    The same arithmetic as ``Decoder.decode_step`` for a dense fp32 model with global attention, with every
-    abstraction taken out: weights fetched once, K/V in preallocated slabs (keys key-major) indexed in place, no
-    module calls, no cache object, no input checks. The products are the model's own (``WeightFormat.matmul``), so
-    the floor changes kernels with the thread count as the model does. Positions advance by one per call and wrap
-    at ``capacity``. None for a model it does not cover (MLA, MoE, sliding-window layers, a weight precision other
-    than fp32).
-    """
+def floor_covers(model: Decoder) -> bool:
+    """Whether ``eager_floor`` can write ``model``'s step: a dense fp32 model with global attention."""
     cfg = model.cfg
-    if cfg.mla is not None or cfg.moe is not None or any(cfg.layer_windows or ()) or model.weight_dtype != "fp32":
-        return None
+    return (
+        cfg.mla is None
+        and cfg.moe is None
+        and not any(cfg.layer_windows or ())
+        and model.weight_dtype == "fp32"
+        and model.torch_dtype == torch.float32
+    )
+
+
+def eager_floor(model: Decoder, capacity: int) -> Callable[[int, int], torch.Tensor]:
+    """``model``'s decode step as one flat function, ``(token, position) -> logits [vocab]``: about as few PyTorch
+    calls as eager mode allows, as a measuring instrument (``check_floor`` holds it to the model's logits).
+
+    The same arithmetic as ``Decoder.decode_step`` with every abstraction taken out: weights fetched once, K/V in
+    preallocated slabs of ``capacity`` slots (keys key-major) indexed in place, no module calls, no cache object,
+    no input checks. A call stores the token's K/V at ``position`` and attends over positions ``0 .. position``. The
+    products are the model's own (``WeightFormat.matmul``), so the floor changes kernels with the thread count as
+    the model does. Only for a model ``floor_covers``.
+    """
+    if not floor_covers(model):
+        raise ValueError(f"model: {model.cfg.name}; allowed: a dense fp32 model with global attention (floor_covers)")
+    cfg = model.cfg
     h, hkv, d, width = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
     layers = [
         [t.detach() for t in (b.attn_norm.weight, b.attn.wqkv, b.attn.wo, b.mlp_norm.weight, b.mlp.w_gate_up)]
@@ -124,19 +132,16 @@ def eager_floor(model: Decoder, capacity: int) -> Callable[[int], torch.Tensor] 
     ]
     embed, final_norm = model.embed.weight.detach(), model.norm.weight.detach()
     head = embed.T if model.lm_head is None else model.lm_head.detach()
-    keys = [torch.zeros(hkv, d, capacity, dtype=embed.dtype) for _ in layers]
-    values = [torch.zeros(hkv, capacity, d, dtype=embed.dtype) for _ in layers]
+    keys = [torch.zeros(hkv, d, capacity) for _ in layers]
+    values = [torch.zeros(hkv, capacity, d) for _ in layers]
     cos, sin = model.rope.span(0, capacity)  # [capacity, 1, d], rotate-half's sign folded into sin
     eps, scale, half, mm = torch.tensor(cfg.norm_eps), d**-0.5, d // 2, model.weights.matmul
-    position = 0
 
     def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         length = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
         return x * torch.addcmul(eps, length, length, value=1 / width).rsqrt_() * weight
 
-    def step(token: int) -> torch.Tensor:
-        nonlocal position
-        p, position = position % capacity, position + 1
+    def step(token: int, p: int) -> torch.Tensor:
         x = embed[token].view(1, width)
         for (attn_norm, wqkv, wo, mlp_norm, w_gate_up, w_down), k, v in zip(layers, keys, values, strict=True):
             qkv = mm(norm(x, attn_norm), wqkv).view(h + 2 * hkv, d)
@@ -152,32 +157,68 @@ def eager_floor(model: Decoder, capacity: int) -> Callable[[int], torch.Tensor] 
     return step
 
 
-def check_floor(model: Decoder, tokens: list[int], floor: Callable[[int], torch.Tensor] | None = None) -> float:
-    """Feed ``tokens`` one at a time to the model and to ``floor`` (default: a fresh ``eager_floor``); the largest
-    logit difference.
+def check_floor(model: Decoder, tokens: list[int], floor: Callable[[int, int], torch.Tensor] | None = None) -> float:
+    """Feed ``tokens`` one at a time, at positions 0, 1, 2, ..., to the model and to ``floor`` (default: a fresh
+    ``eager_floor``); the largest logit difference.
 
-    Raises if they differ by more than fp32 rounding: the floor times the model's step only if it computes it.
+    Raises if any logit differs by more than 1e-4: the floor times the model's step only if it computes it (on the
+    same kernels the two agree exactly).
     """
     floor = eager_floor(model, len(tokens)) if floor is None else floor
     cache = model.new_cache(1, len(tokens))
     worst = 0.0
-    for t in tokens:
-        want, got = model.decode_step(torch.tensor([t]), cache)[0], floor(t)
+    for position, t in enumerate(tokens):
+        want, got = model.decode_step(torch.tensor([t]), cache)[0], floor(t, position)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         worst = max(worst, (got - want).abs().max().item())
     return worst
 
 
-def numpy_pass(model: Decoder, threads: int, repeats: int, clock: str) -> dict | None:
-    """numpy's ``x @ W`` over a step's weights with its BLAS held to ``threads`` for this loop only (then back to
-    what ``hold_blas_to_one_thread`` set); None without threadpoolctl."""
+BLOCK_ROWS = (1, 2, 4, 8)
+
+
+def column_blocks_by_rows(model: Decoder, threads: int, repeats: int, clock: str) -> dict:
+    """ms of one pass over the weights ``splits_columns`` cuts at ``threads`` (judged at two rows), by ``x @ W`` and
+    by ``column_blocks_matmul``, at each of ``BLOCK_ROWS`` rows, all in one interleaved loop."""
+    weights = [
+        w for layer in layer_weights(model) for w in layer if splits_columns(torch.empty(2, w.shape[0]), w, threads)
+    ]
+    if not weights:
+        return {"mb": 0.0, "n_weights": 0, "ms": {}}
+    fns = {}
+    for rows in BLOCK_ROWS:
+        xs = [torch.randn(rows, w.shape[0]) for w in weights]
+        fns[(rows, "x @ W")] = lambda xs=xs: [x @ w for x, w in zip(xs, weights, strict=True)]
+        fns[(rows, "blocks")] = lambda xs=xs: [
+            column_blocks_matmul(x, w, threads) for x, w in zip(xs, weights, strict=True)
+        ]
+    times = time_interleaved(fns, repeats, warmup=2, clock=clock)
+    ms = {
+        rows: {kind: statistics.median(times[(rows, kind)]) * 1e3 for kind in ("x @ W", "blocks")}
+        for rows in BLOCK_ROWS
+    }
+    return {"mb": sum(w.numel() * 4 for w in weights) / 1e6, "n_weights": len(weights), "ms": ms}
+
+
+def blas_limits():
+    """threadpoolctl's ``threadpool_limits``, which holds numpy's BLAS to a thread count; None without it."""
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:
+        return None
+    return threadpool_limits
+
+
+def numpy_pass(model: Decoder, threads: int, repeats: int, clock: str) -> dict | None:
+    """numpy's ``x @ W`` over a step's weights with its BLAS held to ``threads`` for this loop only (then back to
+    one thread, as ``main`` set it); None without threadpoolctl."""
+    threadpool_limits = blas_limits()
+    if threadpool_limits is None:
         print("numpy candidate skipped: pip install threadpoolctl to hold numpy's BLAS to a thread count")
         return None
     weights = [w.detach().numpy() for layer in layer_weights(model) for w in layer]
-    xs = [np.random.default_rng(0).standard_normal((1, w.shape[0]), dtype=np.float32) for w in weights]
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((1, w.shape[0]), dtype=np.float32) for w in weights]
     outs = [np.empty((1, w.shape[1]), np.float32) for w in weights]
 
     def one_pass() -> None:
@@ -215,9 +256,9 @@ def measure(model: Decoder, threads: int, repeats: int, clock: str, size_mb: flo
     torch.set_num_threads(threads)
     candidates, nbytes = matvec_candidates(model)
     steps = {f"step, {model.weight_dtype}": zero_context_step(model)}
-    floor = eager_floor(model, capacity=16)
-    if floor is not None:
-        steps["eager floor (same step, flat)"] = lambda: floor(0)
+    if floor_covers(model):
+        floor = eager_floor(model, capacity=1)
+        steps["eager floor (same step, flat)"] = lambda: floor(0, 0)
     fns = probes(size_mb) | candidates | steps
     times = time_interleaved(fns, repeats, warmup=2, clock=clock)
     ms = {k: statistics.median(t) * 1e3 for k, t in times.items()}
@@ -228,8 +269,10 @@ def measure(model: Decoder, threads: int, repeats: int, clock: str, size_mb: flo
     if numpy is not None:
         matvec["numpy x @ W (BLAS), own loop"] = numpy
     step_bytes = weight_bytes_read(model.cfg)
+    blocks = column_blocks_by_rows(model, threads, repeats, clock) if threads > 1 else None
     return {
         "threads": threads,
+        "column_blocks": blocks,
         "load": load_average(),
         "copy_gbps": copy_gbps,
         "read_gbps": read_gbps,
@@ -260,17 +303,15 @@ def report(r: dict, preset: str) -> list[str]:
         llama = LLAMA_CPP_F32_MS.get(t) if preset == "cpu-small" else None
         vs = f"{ms / llama:>16.2f}" if llama else f"{'n/a':>16}"
         lines.append(f"{name:<30} {ms:>7.2f} {r['predicted_read_ms']:>10.2f} {share:>20.0%} {vs}")
+    blocks = r["column_blocks"]
+    if blocks and blocks["ms"]:
+        lines.append(
+            f"column blocks: a pass over the {blocks['n_weights']} weights the model splits at {t} threads "
+            f"({blocks['mb']:.1f} MB)\n{'rows':>6} {'x @ W ms':>9} {'blocks ms':>10} {'blocks / x @ W':>15}"
+        )
+        for rows, m in blocks["ms"].items():
+            lines.append(f"{rows:>6} {m['x @ W']:>9.2f} {m['blocks']:>10.2f} {m['blocks'] / m['x @ W']:>15.2f}")
     return lines
-
-
-def hold_blas_to_one_thread() -> None:
-    """Keep numpy's BLAS at one thread outside its own loop: its idle threads spin, and at two torch threads they
-    took the second CPU from torch's."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        return
-    threadpool_limits(1, user_api="blas")
 
 
 def main() -> None:
@@ -291,9 +332,13 @@ def main() -> None:
         raise ValueError(f"--clock thread with --threads {args.threads}; allowed: --threads 1 (it counts one thread)")
     model = Decoder(get_model(args.preset), device="cpu")
     print("environment:", json.dumps(machine_info()), "| OPENBLAS_NUM_THREADS:", os.environ.get("OPENBLAS_NUM_THREADS"))
-    hold_blas_to_one_thread()
+    threadpool_limits = blas_limits()
+    if threadpool_limits is not None:
+        # Outside numpy's own loop its BLAS stays at one thread: OpenBLAS's idle threads spin, and beside torch's
+        # two they took the second CPU from every other two-thread measurement.
+        threadpool_limits(1, user_api="blas")
     floor_diff = None
-    if eager_floor(model, 1) is not None:
+    if floor_covers(model):
         with torch.inference_mode():
             floor_diff = check_floor(model, list(range(1, 9)))
         print(f"eager floor: the model's logits over 8 steps, largest difference {floor_diff:.1e}")

@@ -31,23 +31,43 @@ def weight_term():
     ids=["gqa", "mha", "mqa", "tied-head"],
 )
 def test_eager_floor_computes_the_models_logits(weight_term, overrides) -> None:
-    model = Decoder(tiny_config(**overrides), device="cpu", seed=3)
+    model = random_norms(Decoder(tiny_config(**overrides), device="cpu", seed=3))
     with torch.inference_mode():
         assert weight_term.check_floor(model, [5, 17, 3, 99, 42, 0, 7]) < 1e-4
 
 
-def test_eager_floor_notices_a_different_step(weight_term) -> None:
-    model = Decoder(tiny_config(), device="cpu", seed=3)
+def random_norms(model: Decoder) -> Decoder:
+    """``model`` with its norm weights drawn from U(0.5, 1.5): at their initial ones, a floor that skipped or
+    swapped a norm's weight would still match."""
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+    return model
+
+
+@pytest.mark.parametrize("weight", ["layers.1.mlp.w_down", "layers.0.mlp_norm.weight"])
+def test_eager_floor_notices_a_different_weight(weight_term, weight) -> None:
+    model = random_norms(Decoder(tiny_config(), device="cpu", seed=3))
     floor = weight_term.eager_floor(model, 4)
-    mlp = model.layers[1].mlp
-    mlp.w_down = torch.nn.Parameter(mlp.w_down.detach() * 1.5)  # a new tensor: the floor keeps the one it fetched
+    owner_name, attr = weight.rsplit(".", 1)
+    owner = model.get_submodule(owner_name)
+    setattr(owner, attr, torch.nn.Parameter(getattr(owner, attr).detach() * 1.5))  # the floor keeps the old tensor
     with torch.inference_mode(), pytest.raises(AssertionError):
         weight_term.check_floor(model, [5, 17, 3], floor=floor)
 
 
 def test_eager_floor_declines_models_it_does_not_cover(weight_term) -> None:
-    windowed = tiny_config(layer_windows=(8, None))
-    mla = tiny_config(mla=MLAConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16))
-    assert weight_term.eager_floor(Decoder(windowed, device="cpu"), 4) is None
-    assert weight_term.eager_floor(Decoder(mla, device="cpu"), 4) is None
-    assert weight_term.eager_floor(Decoder(tiny_config(), device="cpu", weight_dtype="int8"), 4) is None
+    mla = MLAConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16)
+    others = [
+        Decoder(tiny_config(layer_windows=(8, None)), device="cpu"),
+        Decoder(tiny_config(mla=mla), device="cpu"),
+        Decoder(tiny_config(), device="cpu", weight_dtype="int8"),
+        Decoder(tiny_config(dtype="bf16"), device="cpu"),
+    ]
+    assert weight_term.floor_covers(Decoder(tiny_config(), device="cpu"))
+    for model in others:
+        assert not weight_term.floor_covers(model)
+        with pytest.raises(ValueError, match="allowed: a dense fp32 model"):
+            weight_term.eager_floor(model, 4)

@@ -131,6 +131,8 @@ def test_columns_split_only_where_it_pays(monkeypatch):
     assert not splits(rows, torch.randn(32, 64), 2)  # below the size where the second thread pays
     assert splits(torch.randn(2, 64), big, 2) and not splits(torch.randn(1, 1, 64), big, 2)  # one row: MKL's gemv
     assert not splits(torch.randn(65, 64), big, 2)  # a prefill: MKL threads it itself
+    assert not splits(rows.bfloat16(), big.bfloat16(), 2)  # half precision was not measured
+    assert not splits(torch.randn(4, 32), big, 2) and not splits(rows, big[0], 2)  # malformed: x @ w's own error
 
 
 def test_batched_step_at_two_threads_runs_the_column_blocks_and_matches_one_thread(monkeypatch, threads):

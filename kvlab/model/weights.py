@@ -8,10 +8,10 @@ in place needs no extra call.
 
 - ``fp32``: ``x @ w``, torch's own kernel. On a 2-core AMD EPYC (Zen 3) its one-row product reads the weights at
   the speed of summing them at one thread, and numpy's OpenBLAS, the other kernel a laptop has, gained nothing
-  inside a step (docs/cpu_performance.md, ``benchmarks/weight_term.py``). But MKL runs a product of a few rows on
-  one thread whatever torch's thread count, so with more threads a batched step's products (``SPLIT_ROWS``) cut a
-  large weight's columns into one block per thread and run them as one batched product, which MKL spreads over the
-  threads (``column_blocks_matmul``).
+  inside a step (docs/cpu_performance.md, ``benchmarks/weight_term.py``). But MKL ran a product of a few rows on
+  one thread at two torch threads, so there a batched step's products (``SPLIT_ROWS``) cut a large weight's columns
+  into one block per thread and run them as one batched product, which MKL spreads over the threads
+  (``column_blocks_matmul``).
 - ``int8``: symmetric, one fp32 scale per output channel, through PyTorch's dynamic quantized linear (fbgemm on
   x86, qnnpack on ARM): the activation row is quantized on the fly, the product runs in integers.
 - ``bf16``, ``fp16``: weights stored in half precision; the activation is cast to match and the product cast back
@@ -119,21 +119,28 @@ class WeightFormat:
 _TORCH = {"bf16": "bfloat16", "fp16": "float16"}
 
 # Where cutting a product into one block of columns per thread paid, measured on a 2-core AMD EPYC at two threads
-# (docs/cpu_performance.md, section G): a batched step's products of 2 to 64 rows ran 7-35% faster over cpu-small's
-# weights; one row gained nothing that repeated runs agreed on (bmm does not spread a one-row product either), and
-# a 512 x 512 weight (1 MB) gained nothing.
+# (docs/cpu_performance.md, section G): fp32 products of 2 to 64 rows by cpu-small's weights of 3-17 MB ran 7-35%
+# faster; one row gained nothing that repeated runs agreed on (a bmm of one-row blocks does not spread either); on
+# cpu-tiny, whose weights are all under 1 MB, splitting every product made the step slower. More than two threads,
+# other CPUs and half-precision tensors were not measured: half precision keeps x @ w.
 SPLIT_MIN_WEIGHTS = 1 << 19
 SPLIT_ROWS = range(2, 65)
 
 
 def splits_columns(x: torch.Tensor, w: torch.Tensor, threads: int) -> bool:
-    """Whether ``WeightFormat.matmul`` runs ``x @ w`` as ``column_blocks_matmul`` at ``threads``: a CPU product whose
-    row count lies in ``SPLIT_ROWS``, by a weight of ``SPLIT_MIN_WEIGHTS`` or more whose columns divide evenly."""
+    """Whether ``WeightFormat.matmul`` runs ``x @ w`` as ``column_blocks_matmul`` at ``threads``: an fp32 CPU product
+    of ``x`` ``[..., in]`` by ``w`` ``[in, out]`` whose row count lies in ``SPLIT_ROWS``, by a weight of
+    ``SPLIT_MIN_WEIGHTS`` or more elements whose columns divide evenly. Anything else, malformed shapes included,
+    keeps ``x @ w`` (and its error messages)."""
     return (
         w.device.type == "cpu"
+        and x.dtype == w.dtype == torch.float32
+        and w.dim() == 2
+        and x.dim() >= 1
+        and x.shape[-1] == w.shape[0]
         and w.numel() >= SPLIT_MIN_WEIGHTS
         and w.shape[1] % threads == 0
-        and x.numel() // x.shape[-1] in SPLIT_ROWS
+        and x.numel() // w.shape[0] in SPLIT_ROWS
     )
 
 
