@@ -13,11 +13,11 @@ of load from elsewhere slows each a little rather than one a lot:
    ``F.linear`` on ``[out, in]`` copies, numpy's BLAS (OpenBLAS in numpy's wheels, held to the same thread count
    through threadpoolctl, when it is installed), and int8 through PyTorch's dynamic quantized linear (what
    ``Decoder(weight_dtype="int8")`` runs), whose bytes are a quarter;
-3. the model's zero-context decode step, against the weight bytes over the read bandwidth (predicted), and the
-   eager floor: the same step written as one flat function over preallocated K/V slabs (``eager_floor``), with no
-   modules, no cache object and no checks, about as few PyTorch calls as eager mode allows. The gap
-   between the two is kvlab's own overhead; the gap between the floor and the weight bytes is PyTorch's per-call
-   dispatch, which only a compiler removes;
+3. the model's zero-context decode step, against the weight bytes over the read bandwidth (predicted); the eager
+   floor: the same step written as one flat module (``FlatStep``), with no modules inside, no cache object and no
+   checks, about as few PyTorch calls as eager mode allows; and, where ``onnxruntime`` and ``onnx`` are installed,
+   that module exported to ONNX and run by ONNX Runtime (``onnx_step``). The gap between the model and the floor is
+   kvlab's own overhead; between the floor and ONNX Runtime, PyTorch's cost per call;
 4. at more than one thread, the weights the model cuts into column blocks (``kvlab.model.weights.splits_columns``):
    a pass over them by ``x @ W`` and by ``column_blocks_matmul``, at 1, 2, 4 and 8 rows.
 
@@ -36,6 +36,8 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -100,7 +102,7 @@ def zero_context_step(model: Decoder) -> Callable[[], torch.Tensor]:
 
 
 def floor_covers(model: Decoder) -> bool:
-    """Whether ``eager_floor`` can write ``model``'s step: a dense fp32 model with global attention."""
+    """Whether ``FlatStep`` can write ``model``'s step: a dense fp32 model with global attention."""
     cfg = model.cfg
     return (
         cfg.mla is None
@@ -111,67 +113,122 @@ def floor_covers(model: Decoder) -> bool:
     )
 
 
-def eager_floor(model: Decoder, capacity: int) -> Callable[[int, int], torch.Tensor]:
-    """``model``'s decode step as one flat function, ``(token, position) -> logits [vocab]``: about as few PyTorch
-    calls as eager mode allows, as a measuring instrument (``check_floor`` holds it to the model's logits).
+class FlatStep(torch.nn.Module):
+    """``model``'s decode step as one flat module, a measuring instrument: about as few PyTorch calls as eager mode
+    allows (the eager floor), and a graph ONNX Runtime can run (``onnx_step``). ``check_step`` holds either to the
+    model's logits.
 
-    The same arithmetic as ``Decoder.decode_step`` with every abstraction taken out: weights fetched once, K/V in
-    preallocated slabs of ``capacity`` slots (keys key-major) indexed in place, no module calls, no cache object,
-    no input checks. A call stores the token's K/V at ``position`` and attends over positions ``0 .. position``. The
-    products are the model's own (``WeightFormat.matmul``), so the floor changes kernels with the thread count as
-    the model does. Only for a model ``floor_covers``.
+    ``forward(token [1], cos [1, D], sin [1, D], keys [L, Hkv, D, n], values [L, Hkv, n, D])`` -> ``(logits [V],
+    new keys [L, Hkv, D], new values [L, Hkv, D])``: the step at position ``n`` (``cos``, ``sin``: RoPE's angles
+    there) over a cache of ``n`` tokens (keys key-major), which the caller extends with the new rows. The same
+    arithmetic as ``Decoder.decode_step`` with every abstraction taken out: weights fetched once, no module calls
+    inside, no cache object, no input checks. The products are the model's own (``WeightFormat.matmul``), so the
+    eager floor changes kernels with the thread count as the model does. Only for a model ``floor_covers``.
     """
-    if not floor_covers(model):
-        raise ValueError(f"model: {model.cfg.name}; allowed: a dense fp32 model with global attention (floor_covers)")
-    cfg = model.cfg
-    h, hkv, d, width = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
-    layers = [
-        [t.detach() for t in (b.attn_norm.weight, b.attn.wqkv, b.attn.wo, b.mlp_norm.weight, b.mlp.w_gate_up)]
-        + [b.mlp.w_down.detach()]
-        for b in model.layers
-    ]
-    embed, final_norm = model.embed.weight.detach(), model.norm.weight.detach()
-    head = embed.T if model.lm_head is None else model.lm_head.detach()
-    keys = [torch.zeros(hkv, d, capacity) for _ in layers]
-    values = [torch.zeros(hkv, capacity, d) for _ in layers]
-    cos, sin = model.rope.span(0, capacity)  # [capacity, 1, d], rotate-half's sign folded into sin
-    eps, scale, half, mm = torch.tensor(cfg.norm_eps), d**-0.5, d // 2, model.weights.matmul
 
-    def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def __init__(self, model: Decoder) -> None:
+        if not floor_covers(model):
+            raise ValueError(
+                f"model: {model.cfg.name}; allowed: a dense fp32 model with global attention (floor_covers)"
+            )
+        super().__init__()
+        cfg = model.cfg
+        self.h, self.hkv, self.d, self.width = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
+        self.layers = [
+            [t.detach() for t in (b.attn_norm.weight, b.attn.wqkv, b.attn.wo, b.mlp_norm.weight, b.mlp.w_gate_up)]
+            + [b.mlp.w_down.detach()]
+            for b in model.layers
+        ]
+        self.embed, self.final_norm = model.embed.weight.detach(), model.norm.weight.detach()
+        self.head = self.embed.T if model.lm_head is None else model.lm_head.detach()
+        self.eps, self.mm = torch.tensor(cfg.norm_eps), model.weights.matmul
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         length = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-        return x * torch.addcmul(eps, length, length, value=1 / width).rsqrt_() * weight
+        return x * torch.addcmul(self.eps, length, length, value=1 / self.width).rsqrt() * weight
 
-    def step(token: int, p: int) -> torch.Tensor:
-        x = embed[token].view(1, width)
-        for (attn_norm, wqkv, wo, mlp_norm, w_gate_up, w_down), k, v in zip(layers, keys, values, strict=True):
-            qkv = mm(norm(x, attn_norm), wqkv).view(h + 2 * hkv, d)
-            qk = torch.addcmul(qkv[: h + hkv] * cos[p], qkv[: h + hkv].roll(half, -1), sin[p])
-            k[:, :, p] = qk[h:]
-            v[:, p] = qkv[h + hkv :]
-            scores = torch.matmul(qk[:h].view(hkv, h // hkv, d) * scale, k[:, :, : p + 1])
-            x = x + mm(torch.matmul(torch.softmax(scores, -1), v[:, : p + 1]).view(1, h * d), wo)
-            gate, up = mm(norm(x, mlp_norm), w_gate_up).chunk(2, -1)
+    def forward(
+        self, token: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h, hkv, d, mm = self.h, self.hkv, self.d, self.mm
+        x = self.embed[token].view(1, self.width)
+        new_keys, new_values = [], []
+        for (attn_norm, wqkv, wo, mlp_norm, w_gate_up, w_down), k, v in zip(self.layers, keys, values, strict=True):
+            qkv = mm(self.norm(x, attn_norm), wqkv).view(h + 2 * hkv, d)
+            qk = torch.addcmul(qkv[: h + hkv] * cos, qkv[: h + hkv].roll(d // 2, -1), sin)
+            new_keys.append(qk[h:])
+            new_values.append(qkv[h + hkv :])
+            k = torch.cat([k, qk[h:, :, None]], -1)
+            v = torch.cat([v, qkv[h + hkv :, None]], -2)
+            scores = torch.matmul(qk[:h].view(hkv, h // hkv, d) * d**-0.5, k)
+            x = x + mm(torch.matmul(torch.softmax(scores, -1), v).view(1, h * d), wo)
+            gate, up = mm(self.norm(x, mlp_norm), w_gate_up).chunk(2, -1)
             x = x + mm(F.silu(gate) * up, w_down)
-        return mm(norm(x, final_norm), head)[0]
+        return mm(self.norm(x, self.final_norm), self.head)[0], torch.stack(new_keys), torch.stack(new_values)
 
-    return step
+    def empty_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of a cache holding no token: ``[L, Hkv, D, 0]``, ``[L, Hkv, 0, D]``."""
+        n = len(self.layers)
+        return torch.zeros(n, self.hkv, self.d, 0), torch.zeros(n, self.hkv, 0, self.d)
 
 
-def check_floor(model: Decoder, tokens: list[int], floor: Callable[[int, int], torch.Tensor] | None = None) -> float:
-    """Feed ``tokens`` one at a time, at positions 0, 1, 2, ..., to the model and to ``floor`` (default: a fresh
-    ``eager_floor``); the largest logit difference.
+Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
 
-    Raises if any logit differs by more than 1e-4: the floor times the model's step only if it computes it (on the
-    same kernels the two agree exactly).
+
+def check_step(model: Decoder, tokens: list[int], step: Step | None = None) -> float:
+    """Feed ``tokens`` one at a time, at positions 0, 1, 2, ..., to the model and to ``step`` (default: a
+    ``FlatStep``), keeping ``step``'s cache here; the largest logit difference.
+
+    Raises if any logit differs by more than 1e-4: a step is timed in the model's place only if it computes it (on
+    the same kernels the two agree exactly).
     """
-    floor = eager_floor(model, len(tokens)) if floor is None else floor
+    flat = FlatStep(model)
+    step = flat if step is None else step
+    keys, values = flat.empty_cache()
+    cos, sin = model.rope.span(0, len(tokens))  # [n, 1, D]
     cache = model.new_cache(1, len(tokens))
     worst = 0.0
     for position, t in enumerate(tokens):
-        want, got = model.decode_step(torch.tensor([t]), cache)[0], floor(t, position)
+        want = model.decode_step(torch.tensor([t]), cache)[0]
+        got, new_keys, new_values = step(torch.tensor([t]), cos[position], sin[position], keys, values)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         worst = max(worst, (got - want).abs().max().item())
+        keys, values = torch.cat([keys, new_keys[..., None]], -1), torch.cat([values, new_values[:, :, None]], -2)
     return worst
+
+
+def onnx_step(flat: FlatStep, threads: int) -> Step | None:
+    """``flat`` exported to ONNX and run by ONNX Runtime on ``threads`` threads, with ``FlatStep``'s signature; None
+    without ``onnxruntime`` and ``onnx``. ONNX Runtime runs the graph from C++, so a step pays no Python per op."""
+    try:
+        import onnxruntime
+    except ImportError:
+        print("onnxruntime candidate skipped: pip install onnxruntime onnx")
+        return None
+    keys, values = flat.empty_cache()
+    example = (torch.zeros(1, dtype=torch.long), torch.ones(1, flat.d), torch.zeros(1, flat.d), keys, values)
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the TorchScript-based exporter is deprecated; it still traces this graph
+        path = os.path.join(tmp, "step.onnx")
+        torch.onnx.export(
+            flat,
+            example,
+            path,
+            dynamo=False,
+            input_names=["token", "cos", "sin", "keys", "values"],
+            output_names=["logits", "new_keys", "new_values"],
+            dynamic_axes={"keys": {3: "tokens"}, "values": {2: "tokens"}},
+        )
+        session = onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+
+    def step(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outputs = session.run(None, {name: x.numpy() for name, x in zip(names, inputs, strict=True)})
+        return tuple(torch.from_numpy(o) for o in outputs)
+
+    return step
 
 
 BLOCK_ROWS = (1, 2, 4, 8)
@@ -256,9 +313,11 @@ def measure(model: Decoder, threads: int, repeats: int, clock: str, size_mb: flo
     torch.set_num_threads(threads)
     candidates, nbytes = matvec_candidates(model)
     steps = {f"step, {model.weight_dtype}": zero_context_step(model)}
-    if floor_covers(model):
-        floor = eager_floor(model, capacity=1)
-        steps["eager floor (same step, flat)"] = lambda: floor(0, 0)
+    flat = FlatStep(model) if floor_covers(model) else None
+    if flat is not None:
+        cos, sin = model.rope.span(0, 1)
+        zero = (torch.zeros(1, dtype=torch.long), cos[0], sin[0], *flat.empty_cache())  # position 0, no K/V
+        steps["eager floor (same step, flat)"] = lambda: flat(*zero)
     fns = probes(size_mb) | candidates | steps
     times = time_interleaved(fns, repeats, warmup=2, clock=clock)
     ms = {k: statistics.median(t) * 1e3 for k, t in times.items()}
@@ -268,6 +327,11 @@ def measure(model: Decoder, threads: int, repeats: int, clock: str, size_mb: flo
     numpy = numpy_pass(model, threads, repeats, clock)
     if numpy is not None:
         matvec["numpy x @ W (BLAS), own loop"] = numpy
+    onnx = onnx_step(flat, threads) if flat is not None else None
+    if onnx is not None:  # its own loop too: ONNX Runtime's threads spin between runs, as OpenBLAS's do
+        (seconds,) = time_interleaved({"onnx": lambda: onnx(*zero)}, repeats, warmup=2, clock=clock).values()
+        ms["onnxruntime, same step"] = statistics.median(seconds) * 1e3
+        steps["onnxruntime, same step"] = onnx
     step_bytes = weight_bytes_read(model.cfg)
     blocks = column_blocks_by_rows(model, threads, repeats, clock) if threads > 1 else None
     return {
@@ -340,8 +404,12 @@ def main() -> None:
     floor_diff = None
     if floor_covers(model):
         with torch.inference_mode():
-            floor_diff = check_floor(model, list(range(1, 9)))
+            floor_diff = check_step(model, list(range(1, 9)))
+            onnx = onnx_step(FlatStep(model), 1)
+            onnx_diff = None if onnx is None else check_step(model, list(range(1, 9)), onnx)
         print(f"eager floor: the model's logits over 8 steps, largest difference {floor_diff:.1e}")
+        if onnx_diff is not None:
+            print(f"onnxruntime: the model's logits over 8 steps, largest difference {onnx_diff:.1e}")
     size_mb = bandwidth_buffer_mb(quick=args.quick)
     results = []
     for t in thread_counts:
@@ -351,7 +419,9 @@ def main() -> None:
         "\nweight term of copy: the weight bytes over copy bandwidth, divided by the measured step (the issue's "
         "measure; the target is 80%).\nx llama.cpp F32: the step over llama.cpp's on the same model and CPU kind "
         "(target: 1.2 at most).\neager floor: the same step with kvlab's modules, cache object and checks taken out "
-        "(eager_floor); what is left above the weight bytes is PyTorch's cost per call."
+        "(FlatStep); what is left above the weight bytes is PyTorch's cost per call.\nonnxruntime: the same flat step "
+        "exported to ONNX and run by ONNX Runtime's C++ executor (timed in a loop of its own), which pays no Python "
+        "per operation."
     )
     alternating = None
     if len(thread_counts) > 1 and args.clock == "wall":

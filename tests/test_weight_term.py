@@ -1,5 +1,6 @@
-"""benchmarks/weight_term.py: its eager floor is the model's decode step with the abstractions taken out, so it
-must compute the model's logits, for every attention layout it claims to cover, and decline the rest."""
+"""benchmarks/weight_term.py: its flat step (the eager floor, and the graph ONNX Runtime runs) is the model's decode
+step with the abstractions taken out, so it must compute the model's logits, for every attention layout it claims to
+cover, and decline the rest."""
 
 from __future__ import annotations
 
@@ -30,10 +31,10 @@ def weight_term():
     [{}, {"n_kv_heads": 4}, {"n_kv_heads": 1}, {"tie_embeddings": True}],
     ids=["gqa", "mha", "mqa", "tied-head"],
 )
-def test_eager_floor_computes_the_models_logits(weight_term, overrides) -> None:
+def test_flat_step_computes_the_models_logits(weight_term, overrides) -> None:
     model = random_norms(Decoder(tiny_config(**overrides), device="cpu", seed=3))
     with torch.inference_mode():
-        assert weight_term.check_floor(model, [5, 17, 3, 99, 42, 0, 7]) < 1e-4
+        assert weight_term.check_step(model, [5, 17, 3, 99, 42, 0, 7]) < 1e-4
 
 
 def random_norms(model: Decoder) -> Decoder:
@@ -48,17 +49,17 @@ def random_norms(model: Decoder) -> Decoder:
 
 
 @pytest.mark.parametrize("weight", ["layers.1.mlp.w_down", "layers.0.mlp_norm.weight"])
-def test_eager_floor_notices_a_different_weight(weight_term, weight) -> None:
+def test_flat_step_notices_a_different_weight(weight_term, weight) -> None:
     model = random_norms(Decoder(tiny_config(), device="cpu", seed=3))
-    floor = weight_term.eager_floor(model, 4)
+    floor = weight_term.FlatStep(model)
     owner_name, attr = weight.rsplit(".", 1)
     owner = model.get_submodule(owner_name)
     setattr(owner, attr, torch.nn.Parameter(getattr(owner, attr).detach() * 1.5))  # the floor keeps the old tensor
     with torch.inference_mode(), pytest.raises(AssertionError):
-        weight_term.check_floor(model, [5, 17, 3], floor=floor)
+        weight_term.check_step(model, [5, 17, 3], floor)
 
 
-def test_eager_floor_declines_models_it_does_not_cover(weight_term) -> None:
+def test_flat_step_declines_models_it_does_not_cover(weight_term) -> None:
     mla = MLAConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16)
     others = [
         Decoder(tiny_config(layer_windows=(8, None)), device="cpu"),
@@ -70,4 +71,13 @@ def test_eager_floor_declines_models_it_does_not_cover(weight_term) -> None:
     for model in others:
         assert not weight_term.floor_covers(model)
         with pytest.raises(ValueError, match="allowed: a dense fp32 model"):
-            weight_term.eager_floor(model, 4)
+            weight_term.FlatStep(model)
+
+
+def test_onnx_runtime_runs_the_models_step(weight_term) -> None:
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+    model = random_norms(Decoder(tiny_config(tie_embeddings=True), device="cpu", seed=3))
+    with torch.inference_mode():
+        step = weight_term.onnx_step(weight_term.FlatStep(model), threads=1)
+        assert weight_term.check_step(model, [5, 17, 3, 99, 42], step) < 1e-4
