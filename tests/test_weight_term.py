@@ -81,3 +81,13 @@ def test_onnx_runtime_runs_the_models_step(weight_term) -> None:
     with torch.inference_mode():
         step = weight_term.onnx_step(weight_term.FlatStep(model), threads=1)
         assert weight_term.check_step(model, [5, 17, 3, 99, 42], step) < 1e-4
+
+
+def test_split_step_runs_the_models_step_on_a_kvlab_cache(weight_term) -> None:
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+    for cfg in (tiny_config(), tiny_config(tie_embeddings=True, n_kv_heads=1)):
+        model = random_norms(Decoder(cfg, device="cpu", seed=3))
+        with torch.inference_mode():
+            split = weight_term.SplitStep.build(model, threads=1)
+            assert weight_term.check_split(model, [5, 17, 3, 99, 42], split) < 1e-4
