@@ -14,10 +14,10 @@ of load from elsewhere slows each a little rather than one a lot:
    through threadpoolctl, when it is installed), and int8 through PyTorch's dynamic quantized linear (what
    ``Decoder(weight_dtype="int8")`` runs), whose bytes are a quarter;
 3. the model's zero-context decode step, against the weight bytes over the read bandwidth (predicted); the eager
-   floor: the same step written as one flat module (``FlatStep``), with no modules inside, no cache object and no
-   checks, about as few PyTorch calls as eager mode allows; and, where ``onnxruntime`` and ``onnx`` are installed,
-   that module exported to ONNX and run by ONNX Runtime (``onnx_step``), whole, and split at attention so that a
-   kvlab cache runs the attention (``SplitStep``). The gap between the model and the floor is kvlab's own overhead;
+   floor: the same step written as one flat module (``benchmarks/flat_step.py``), with no modules inside, no cache
+   object and no checks, about as few PyTorch calls as eager mode allows; and, where ``onnxruntime`` and ``onnx``
+   are installed, that module exported to ONNX and run by ONNX Runtime, whole, and split at attention so that a
+   kvlab cache runs the attention. The gap between the model and the floor is kvlab's own overhead;
    between the floor and ONNX Runtime, PyTorch's cost per call;
 4. at more than one thread, the weights the model cuts into column blocks (``kvlab.model.weights.splits_columns``):
    a pass over them by ``x @ W`` and by ``column_blocks_matmul``, at 1, 2, 4 and 8 rows.
@@ -37,9 +37,9 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
-import warnings
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -57,6 +57,9 @@ from kvlab.machine.timing import (
 from kvlab.measure.step_time import layer_weights
 from kvlab.model.weights import WeightFormat, column_blocks_matmul, splits_columns
 from kvlab.roofline import weight_bytes_read
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from flat_step import FlatStep, SplitStep, check_split, check_step, floor_covers, onnx_step  # noqa: E402 (beside us)
 
 # llama.cpp 0c1e570 on cpu-small converted to GGUF F32, zero-context step, 2-core AMD EPYC Zen 3
 # (docs/cpu_performance.md, section A): ms at one and two threads.
@@ -100,284 +103,6 @@ def zero_context_step(model: Decoder) -> Callable[[], torch.Tensor]:
         return logits
 
     return step
-
-
-def floor_covers(model: Decoder) -> bool:
-    """Whether ``FlatStep`` can write ``model``'s step: a dense fp32 model with global attention."""
-    cfg = model.cfg
-    return (
-        cfg.mla is None
-        and cfg.moe is None
-        and not any(cfg.layer_windows or ())
-        and model.weight_dtype == "fp32"
-        and model.torch_dtype == torch.float32
-    )
-
-
-class FlatStep(torch.nn.Module):
-    """``model``'s decode step as one flat module, a measuring instrument: about as few PyTorch calls as eager mode
-    allows (the eager floor), and a graph ONNX Runtime can run (``onnx_step``). ``check_step`` holds either to the
-    model's logits.
-
-    ``forward(token [1], cos [1, D], sin [1, D], keys [L, Hkv, D, n], values [L, Hkv, n, D])`` -> ``(logits [V],
-    new keys [L, Hkv, D], new values [L, Hkv, D])``: the step at position ``n`` (``cos``, ``sin``: RoPE's angles
-    there) over a cache of ``n`` tokens (keys key-major), which the caller extends with the new rows. The same
-    arithmetic as ``Decoder.decode_step`` with every abstraction taken out: weights fetched once, no module calls
-    inside, no cache object, no input checks. The products are the model's own (``WeightFormat.matmul``), so the
-    eager floor changes kernels with the thread count as the model does. Only for a model ``floor_covers``.
-    """
-
-    def __init__(self, model: Decoder) -> None:
-        if not floor_covers(model):
-            raise ValueError(
-                f"model: {model.cfg.name}; allowed: a dense fp32 model with global attention (floor_covers)"
-            )
-        super().__init__()
-        cfg = model.cfg
-        self.h, self.hkv, self.d, self.width = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
-        self.layers = [
-            [t.detach() for t in (b.attn_norm.weight, b.attn.wqkv, b.attn.wo, b.mlp_norm.weight, b.mlp.w_gate_up)]
-            + [b.mlp.w_down.detach()]
-            for b in model.layers
-        ]
-        self.embed, self.final_norm = model.embed.weight.detach(), model.norm.weight.detach()
-        self.head = self.embed.T if model.lm_head is None else model.lm_head.detach()
-        self.eps, self.mm = torch.tensor(cfg.norm_eps), model.weights.matmul
-
-    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        length = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-        return x * torch.addcmul(self.eps, length, length, value=1 / self.width).rsqrt() * weight
-
-    def forward(
-        self, token: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x = self.embed[token].view(1, self.width)
-        new_keys, new_values = [], []
-        for (attn_norm, wqkv, wo, mlp_norm, w_gate_up, w_down), k, v in zip(self.layers, keys, values, strict=True):
-            q, k_new, v_new = self.before_attention(x, attn_norm, wqkv, cos, sin)
-            new_keys.append(k_new)
-            new_values.append(v_new)
-            k, v = torch.cat([k, k_new[..., None]], -1), torch.cat([v, v_new[:, None]], -2)
-            out = torch.matmul(torch.softmax(torch.matmul(q, k), -1), v)
-            x = self.after_attention(x, out.view(1, -1), wo, mlp_norm, w_gate_up, w_down)
-        return self.logits(x, self.final_norm, self.head)[0], torch.stack(new_keys), torch.stack(new_values)
-
-    def before_attention(
-        self, x: torch.Tensor, attn_norm: torch.Tensor, wqkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x`` ``[1, d_model]`` -> the scaled queries grouped by KV head ``[Hkv, G, D]``, the key ``[Hkv, D]`` (both
-        roped) and the value ``[Hkv, D]``."""
-        h, hkv, d = self.h, self.hkv, self.d
-        qkv = self.mm(self.norm(x, attn_norm), wqkv).view(h + 2 * hkv, d)
-        qk = torch.addcmul(qkv[: h + hkv] * cos, qkv[: h + hkv].roll(d // 2, -1), sin)
-        return (qk[:h] * d**-0.5).view(hkv, h // hkv, d), qk[h:], qkv[h + hkv :]
-
-    def after_attention(
-        self,
-        x: torch.Tensor,
-        attended: torch.Tensor,
-        wo: torch.Tensor,
-        mlp_norm: torch.Tensor,
-        w_gate_up: torch.Tensor,
-        w_down: torch.Tensor,
-    ) -> torch.Tensor:
-        """The residual stream ``x`` ``[1, d_model]`` after the attention's output ``attended`` ``[1, H * D]`` and the
-        MLP."""
-        x = x + self.mm(attended, wo)
-        gate, up = self.mm(self.norm(x, mlp_norm), w_gate_up).chunk(2, -1)
-        return x + self.mm(F.silu(gate) * up, w_down)
-
-    def logits(self, x: torch.Tensor, final_norm: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-        return self.mm(self.norm(x, final_norm), head)
-
-    def empty_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of a cache holding no token: ``[L, Hkv, D, 0]``, ``[L, Hkv, 0, D]``."""
-        n = len(self.layers)
-        return torch.zeros(n, self.hkv, self.d, 0), torch.zeros(n, self.hkv, 0, self.d)
-
-
-Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
-
-
-def check_step(model: Decoder, tokens: list[int], step: Step | None = None) -> float:
-    """Feed ``tokens`` one at a time, at positions 0, 1, 2, ..., to the model and to ``step`` (default: a
-    ``FlatStep``), keeping ``step``'s cache here; the largest logit difference.
-
-    Raises if any logit differs by more than 1e-4: a step is timed in the model's place only if it computes it (on
-    the same kernels the two agree exactly).
-    """
-    flat = FlatStep(model)
-    step = flat if step is None else step
-    keys, values = flat.empty_cache()
-    cos, sin = model.rope.span(0, len(tokens))  # [n, 1, D]
-    cache = model.new_cache(1, len(tokens))
-    worst = 0.0
-    for position, t in enumerate(tokens):
-        want = model.decode_step(torch.tensor([t]), cache)[0]
-        got, new_keys, new_values = step(torch.tensor([t]), cos[position], sin[position], keys, values)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        worst = max(worst, (got - want).abs().max().item())
-        keys, values = torch.cat([keys, new_keys[..., None]], -1), torch.cat([values, new_values[:, :, None]], -2)
-    return worst
-
-
-def onnx_session(
-    module: torch.nn.Module, example: tuple, inputs: list[str], outputs: list[str], threads: int, spin: bool, **kw
-):
-    """``module`` exported to ONNX (traced on ``example``) as an ONNX Runtime CPU session on ``threads`` threads; None
-    without ``onnxruntime`` and ``onnx``. ``spin``: its threads wait for the next run spinning (fastest when nothing
-    else runs between its runs) or asleep (when PyTorch's threads run in between, which spinning ones starve: at two
-    threads a split step took 58.9 ms spinning, 11.4 asleep). ``kw`` goes to ``torch.onnx.export``."""
-    try:
-        import onnxruntime
-    except ImportError:
-        print("onnxruntime candidates skipped: pip install onnxruntime onnx")
-        return None
-    options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
-    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the TorchScript-based exporter is deprecated; it still traces these graphs
-        path = os.path.join(tmp, "graph.onnx")
-        torch.onnx.export(module, example, path, dynamo=False, input_names=inputs, output_names=outputs, **kw)
-        return onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-
-
-def onnx_step(flat: FlatStep, threads: int) -> Step | None:
-    """``flat`` run by ONNX Runtime on ``threads`` threads, with ``FlatStep``'s signature; None without
-    ``onnxruntime``. ONNX Runtime runs the graph from C++, so a step pays no Python per operation."""
-    keys, values = flat.empty_cache()
-    example = (torch.zeros(1, dtype=torch.long), torch.ones(1, flat.d), torch.zeros(1, flat.d), keys, values)
-    names = ["token", "cos", "sin", "keys", "values"]
-    dynamic = {"keys": {3: "tokens"}, "values": {2: "tokens"}}
-    outputs = ["logits", "new_keys", "new_values"]
-    session = onnx_session(flat, example, names, outputs, threads, spin=True, dynamic_axes=dynamic)
-    if session is None:
-        return None
-
-    def step(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        outputs = session.run(None, {name: x.numpy() for name, x in zip(names, inputs, strict=True)})
-        return tuple(torch.from_numpy(o) for o in outputs)
-
-    return step
-
-
-class _Method(torch.nn.Module):
-    """One of ``FlatStep``'s methods as a module of its own, for the exporter (its weights become graph inputs)."""
-
-    def __init__(self, method: Callable) -> None:
-        super().__init__()
-        self.method = method
-
-    def forward(self, *args: torch.Tensor):
-        return self.method(*args)
-
-
-class SplitStep:
-    """A decode step split at attention, one sequence: ONNX Runtime runs each layer's dense parts
-    (``FlatStep.before_attention`` and ``after_attention``, then the logits), exported once with the weights as graph
-    inputs and bound to the model's own tensors (no copy, but of a tied head); each layer's attention runs in
-    PyTorch on a kvlab cache, through its own ``append`` and ``attend``. What carrying ONNX Runtime into
-    ``Decoder`` would look like while keeping every cache. ``split(token, cache)`` -> logits ``[vocab]``, valid
-    until the next call.
-
-    Build with ``SplitStep.build``, which returns None without ``onnxruntime``.
-    """
-
-    def __init__(self, model: Decoder, flat: FlatStep, sessions: tuple) -> None:
-        self.model, self.rope = model, model.rope
-        self.before, self.after, self.head = sessions
-        h, hkv, d, width = flat.h, flat.hkv, flat.d, flat.width
-        # Every buffer a session reads or writes is bound once; the residual stream alternates between two, so that
-        # no session writes the tensor it reads.
-        self.stream = [torch.zeros(1, width), torch.zeros(1, width)]
-        self.cos, self.sin, self.attended = torch.zeros(1, d), torch.zeros(1, d), torch.zeros(1, h * d)
-        self.q, self.k, self.v = torch.zeros(hkv, h // hkv, d), torch.zeros(hkv, d), torch.zeros(hkv, d)
-        self.out = torch.zeros(1, model.cfg.vocab_size)
-        self.before_io, self.after_io = [], []
-        for i, (attn_norm, wqkv, wo, mlp_norm, w_gate_up, w_down) in enumerate(flat.layers):
-            x, y = self.stream[i % 2], self.stream[(i + 1) % 2]
-            self.before_io.append(bind(self.before, [x, attn_norm, wqkv, self.cos, self.sin], [self.q, self.k, self.v]))
-            self.after_io.append(bind(self.after, [x, self.attended, wo, mlp_norm, w_gate_up, w_down], [y]))
-        last = self.stream[len(flat.layers) % 2]
-        # A tied head is the embedding's transpose, which an address cannot describe: that one weight is copied, and
-        # the copy kept here, since a binding holds only its address.
-        self.head_weight = flat.head.contiguous()
-        self.head_io = bind(self.head, [last, flat.final_norm, self.head_weight], [self.out])
-        self.embed, self.windows = flat.embed, [b.attn.layer_window for b in model.layers]
-
-    @classmethod
-    def build(cls, model: Decoder, threads: int) -> SplitStep | None:
-        flat = FlatStep(model)
-        attn_norm, wqkv, wo, mlp_norm, w_gate_up, w_down = flat.layers[0]
-        # Distinct example tensors: the tracer tells inputs apart by identity, so one tensor passed as both cos and
-        # sin would wire both to the first.
-        x, cos, sin = torch.zeros(1, flat.width), torch.ones(1, flat.d), torch.zeros(1, flat.d)
-        sessions = (
-            onnx_session(
-                _Method(flat.before_attention),
-                (x, attn_norm, wqkv, cos, sin),
-                list("xnwcs"),
-                list("qkv"),
-                threads,
-                spin=False,
-            ),
-            onnx_session(
-                _Method(flat.after_attention),
-                (x, torch.zeros(1, flat.h * flat.d), wo, mlp_norm, w_gate_up, w_down),
-                list("xaonud"),
-                ["y"],
-                threads,
-                spin=False,
-            ),
-            onnx_session(
-                _Method(flat.logits), (x, flat.final_norm, flat.head), list("xnh"), ["logits"], threads, spin=False
-            ),
-        )
-        return None if None in sessions else cls(model, flat, sessions)
-
-    def __call__(self, token: int, cache) -> torch.Tensor:
-        start = cache.reserve(1)
-        cos, sin = self.rope.span(start, 1)
-        self.cos.copy_(cos[0])
-        self.sin.copy_(sin[0])
-        self.stream[0].copy_(self.embed[token])
-        hkv, d = self.k.shape
-        for layer, (before, after) in enumerate(zip(self.before_io, self.after_io, strict=True)):
-            self.before.run_with_iobinding(before)
-            cache.append(layer, self.k.view(1, 1, hkv, d), self.v.view(1, 1, hkv, d))
-            q = self.q.view(1, hkv, -1, 1, d)
-            self.attended.copy_(cache.attend(layer, q, self.windows[layer]).view(1, -1))
-            self.after.run_with_iobinding(after)
-        self.head.run_with_iobinding(self.head_io)
-        return self.out[0]
-
-
-def bind(session, inputs: list[torch.Tensor], outputs: list[torch.Tensor]):
-    """An ONNX Runtime binding of ``session``'s inputs and outputs, in order, to these tensors' memory (no copy)."""
-    import numpy
-
-    binding = session.io_binding()
-    for names, tensors, bind_one in (
-        (session.get_inputs(), inputs, binding.bind_input),
-        (session.get_outputs(), outputs, binding.bind_output),
-    ):
-        for meta, t in zip(names, tensors, strict=True):
-            if not t.is_contiguous():
-                raise ValueError(f"{meta.name}: a strided tensor; allowed: contiguous tensors (bound by address)")
-            bind_one(meta.name, "cpu", 0, numpy.float32, list(t.shape), t.data_ptr())
-    return binding
-
-
-def check_split(model: Decoder, tokens: list[int], split: SplitStep) -> float:
-    """``check_step`` for a ``SplitStep``: the model and ``split`` each on a cache of the model's own kind."""
-    ours, theirs = model.new_cache(1, len(tokens)), model.new_cache(1, len(tokens))
-    worst = 0.0
-    for t in tokens:
-        want, got = model.decode_step(torch.tensor([t]), ours)[0], split(t, theirs)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        worst = max(worst, (got - want).abs().max().item())
-    return worst
 
 
 BLOCK_ROWS = (1, 2, 4, 8)

@@ -1,6 +1,6 @@
-"""benchmarks/weight_term.py: its flat step (the eager floor, and the graph ONNX Runtime runs) is the model's decode
-step with the abstractions taken out, so it must compute the model's logits, for every attention layout it claims to
-cover, and decline the rest."""
+"""benchmarks/flat_step.py: the flat step (the eager floor, and the graphs ONNX Runtime runs, whole or split at
+attention) is the model's decode step with the abstractions taken out, so it must compute the model's logits, for
+every attention layout it claims to cover, and decline the rest."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from kvlab.spec.config import MLAConfig
 
 from .helpers import tiny_config
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "weight_term.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "flat_step.py"
 
 
 @pytest.fixture(scope="module")
-def weight_term():
-    spec = importlib.util.spec_from_file_location("weight_term", SCRIPT)
+def flat_step():
+    spec = importlib.util.spec_from_file_location("flat_step", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -31,10 +31,10 @@ def weight_term():
     [{}, {"n_kv_heads": 4}, {"n_kv_heads": 1}, {"tie_embeddings": True}],
     ids=["gqa", "mha", "mqa", "tied-head"],
 )
-def test_flat_step_computes_the_models_logits(weight_term, overrides) -> None:
+def test_flat_step_computes_the_models_logits(flat_step, overrides) -> None:
     model = random_norms(Decoder(tiny_config(**overrides), device="cpu", seed=3))
     with torch.inference_mode():
-        assert weight_term.check_step(model, [5, 17, 3, 99, 42, 0, 7]) < 1e-4
+        assert flat_step.check_step(model, [5, 17, 3, 99, 42, 0, 7]) < 1e-4
 
 
 def random_norms(model: Decoder) -> Decoder:
@@ -49,17 +49,17 @@ def random_norms(model: Decoder) -> Decoder:
 
 
 @pytest.mark.parametrize("weight", ["layers.1.mlp.w_down", "layers.0.mlp_norm.weight"])
-def test_flat_step_notices_a_different_weight(weight_term, weight) -> None:
+def test_flat_step_notices_a_different_weight(flat_step, weight) -> None:
     model = random_norms(Decoder(tiny_config(), device="cpu", seed=3))
-    floor = weight_term.FlatStep(model)
+    floor = flat_step.FlatStep(model)
     owner_name, attr = weight.rsplit(".", 1)
     owner = model.get_submodule(owner_name)
     setattr(owner, attr, torch.nn.Parameter(getattr(owner, attr).detach() * 1.5))  # the floor keeps the old tensor
     with torch.inference_mode(), pytest.raises(AssertionError):
-        weight_term.check_step(model, [5, 17, 3], floor)
+        flat_step.check_step(model, [5, 17, 3], floor)
 
 
-def test_flat_step_declines_models_it_does_not_cover(weight_term) -> None:
+def test_flat_step_declines_models_it_does_not_cover(flat_step) -> None:
     mla = MLAConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16)
     others = [
         Decoder(tiny_config(layer_windows=(8, None)), device="cpu"),
@@ -67,27 +67,27 @@ def test_flat_step_declines_models_it_does_not_cover(weight_term) -> None:
         Decoder(tiny_config(), device="cpu", weight_dtype="int8"),
         Decoder(tiny_config(dtype="bf16"), device="cpu"),
     ]
-    assert weight_term.floor_covers(Decoder(tiny_config(), device="cpu"))
+    assert flat_step.floor_covers(Decoder(tiny_config(), device="cpu"))
     for model in others:
-        assert not weight_term.floor_covers(model)
+        assert not flat_step.floor_covers(model)
         with pytest.raises(ValueError, match="allowed: a dense fp32 model"):
-            weight_term.FlatStep(model)
+            flat_step.FlatStep(model)
 
 
-def test_onnx_runtime_runs_the_models_step(weight_term) -> None:
+def test_onnx_runtime_runs_the_models_step(flat_step) -> None:
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnx")
     model = random_norms(Decoder(tiny_config(tie_embeddings=True), device="cpu", seed=3))
     with torch.inference_mode():
-        step = weight_term.onnx_step(weight_term.FlatStep(model), threads=1)
-        assert weight_term.check_step(model, [5, 17, 3, 99, 42], step) < 1e-4
+        step = flat_step.onnx_step(flat_step.FlatStep(model), threads=1)
+        assert flat_step.check_step(model, [5, 17, 3, 99, 42], step) < 1e-4
 
 
-def test_split_step_runs_the_models_step_on_a_kvlab_cache(weight_term) -> None:
+def test_split_step_runs_the_models_step_on_a_kvlab_cache(flat_step) -> None:
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnx")
     for cfg in (tiny_config(), tiny_config(tie_embeddings=True, n_kv_heads=1)):
         model = random_norms(Decoder(cfg, device="cpu", seed=3))
         with torch.inference_mode():
-            split = weight_term.SplitStep.build(model, threads=1)
-            assert weight_term.check_split(model, [5, 17, 3, 99, 42], split) < 1e-4
+            split = flat_step.SplitStep.build(model, threads=1)
+            assert flat_step.check_split(model, [5, 17, 3, 99, 42], split) < 1e-4
