@@ -6,7 +6,7 @@
 - ``SplitStep``: ONNX Runtime for each layer's dense parts, a kvlab cache for its attention: the shape that would carry
   ONNX Runtime into ``Decoder`` and keep every cache.
 
-``check_step`` and ``check_split`` hold each to the model's logits (``tests/test_weight_term.py``). ONNX Runtime and
+``check_step`` and ``check_split`` hold each to the model's logits (``tests/test_flat_step.py``). ONNX Runtime and
 ``onnx`` come with ``pip install -e .[dev]``; without them the ONNX builders return None. Measurements:
 docs/cpu_performance.md, section G.
 """
@@ -199,7 +199,7 @@ class _Method(torch.nn.Module):
 class SplitStep:
     """A decode step split at attention, one sequence: ONNX Runtime runs each layer's dense parts
     (``FlatStep.before_attention`` and ``after_attention``, then the logits), exported once with the weights as graph
-    inputs and bound to the model's own tensors (no copy, but of a tied head); each layer's attention runs in
+    inputs and bound to the model's own tensors (no copy, except a tied head's); each layer's attention runs in
     PyTorch on a kvlab cache, through its own ``append`` and ``attend``. What carrying ONNX Runtime into
     ``Decoder`` would look like while keeping every cache. ``split(token, cache)`` -> logits ``[vocab]``, valid
     until the next call.
@@ -208,7 +208,7 @@ class SplitStep:
     """
 
     def __init__(self, model: Decoder, flat: FlatStep, sessions: tuple) -> None:
-        self.model, self.rope = model, model.rope
+        self.rope = model.rope
         self.before, self.after, self.head = sessions
         h, hkv, d, width = flat.h, flat.hkv, flat.d, flat.width
         # Every buffer a session reads or writes is bound once; the residual stream alternates between two, so that
@@ -227,7 +227,7 @@ class SplitStep:
         # the copy kept here, since a binding holds only its address.
         self.head_weight = flat.head.contiguous()
         self.head_io = bind(self.head, [last, flat.final_norm, self.head_weight], [self.out])
-        self.embed, self.windows = flat.embed, [b.attn.layer_window for b in model.layers]
+        self.embed = flat.embed
 
     @classmethod
     def build(cls, model: Decoder, threads: int) -> SplitStep | None:
@@ -270,7 +270,7 @@ class SplitStep:
             self.before.run_with_iobinding(before)
             cache.append(layer, self.k.view(1, 1, hkv, d), self.v.view(1, 1, hkv, d))
             q = self.q.view(1, hkv, -1, 1, d)
-            self.attended.copy_(cache.attend(layer, q, self.windows[layer]).view(1, -1))
+            self.attended.copy_(cache.attend(layer, q).view(1, -1))
             self.after.run_with_iobinding(after)
         self.head.run_with_iobinding(self.head_io)
         return self.out[0]
