@@ -7,7 +7,7 @@
   ONNX Runtime into ``Decoder`` and keep every cache.
 
 ``check_step`` and ``check_split`` hold each to the model's logits (``tests/test_flat_step.py``). ONNX Runtime and
-``onnx`` come with ``pip install -e .[dev]``; without them the ONNX builders return None. Measurements:
+``onnx`` come with ``pip install -e .[bench]``; without them the ONNX builders return None. Measurements:
 docs/cpu_performance.md, section G.
 """
 
@@ -154,7 +154,7 @@ def onnx_session(
     try:
         import onnxruntime
     except ImportError:
-        print("onnxruntime candidates skipped: pip install onnxruntime onnx")
+        print("onnxruntime candidates skipped: pip install -e .[bench] (onnx, onnxruntime)")
         return None
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
