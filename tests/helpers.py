@@ -1,8 +1,12 @@
 """Small shared builders for the tests: tiny model shapes that run in milliseconds, a greedy-token check that
 holds on any CPU, the two ways a course checker is called (it passes silently, or fails saying what to fix), and
-sweeps whose timings lie exactly on a line, for the measured checks."""
+sweeps whose timings lie exactly on a line, for the measured checks, and a benchmark script loaded as a module."""
 
+import importlib.util
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -108,3 +112,14 @@ def fake_sweep(
         request = RequestTiming((tpot / 1e3, 2 * tpot / 1e3))
         points.append(SweepPoint(context, 1, [request], step_bytes(context), 0.0))
     return Sweep("fake", "cpu", 1, "fast", bandwidth, kv_per_token, weight_bytes, points)
+
+
+def benchmark_module(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` loaded as the module ``name``: the scripts are not a package. It is registered in
+    ``sys.modules`` before it runs, where a dataclass in it looks its module up."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -4,26 +4,18 @@ every attention layout it claims to cover, and decline the rest."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from kvlab import Decoder
 from kvlab.spec.config import MLAConfig
 
-from .helpers import tiny_config
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "flat_step.py"
+from .helpers import benchmark_module, tiny_config
 
 
 @pytest.fixture(scope="module")
 def flat_step():
-    spec = importlib.util.spec_from_file_location("flat_step", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("flat_step")
 
 
 @pytest.mark.parametrize(

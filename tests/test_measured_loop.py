@@ -4,20 +4,14 @@ prints a reading is in its list."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import nbformat
 
 from tests.conftest import REPO
+from tests.helpers import benchmark_module
 
 
 def loop_module():
-    spec = importlib.util.spec_from_file_location("measured_checks", REPO / "benchmarks" / "measured_checks.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("measured_checks")
 
 
 def test_every_measured_check_has_a_retake_cell_above_it():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -11,15 +10,12 @@ import torch
 
 from kvlab.model.pretrained import load_pretrained
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "quality_table.py"
+from .helpers import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def table():
-    spec = importlib.util.spec_from_file_location("quality_table", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("quality_table")
 
 
 def test_policies_cover_the_issue_rows(table) -> None:
