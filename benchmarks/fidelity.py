@@ -3,6 +3,7 @@
     python benchmarks/fidelity.py                 # cpu-small, contexts 2k..32k, plus the transformers comparison
     python benchmarks/fidelity.py --quick         # small sizes, a smoke run
     python benchmarks/fidelity.py --threads 1     # what a learner's one-thread lesson sees
+    python benchmarks/fidelity.py --runtime onnx  # the step's dense parts in ONNX Runtime (pip install -e .[onnx])
     python benchmarks/fidelity.py --json out.json --plot out.png
 
 Prints three things, each measured in this one process:
@@ -101,6 +102,9 @@ def main() -> None:
     parser.add_argument("--peer-steps", type=int, default=10)
     parser.add_argument("--device", default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own count)")
+    parser.add_argument(
+        "--runtime", default="eager", choices=("eager", "onnx"), help="what runs the decode step (Decoder's runtime)"
+    )
     parser.add_argument("--quick", action="store_true", help="cpu-tiny, short contexts")
     parser.add_argument("--json")
     parser.add_argument("--plot")
@@ -116,8 +120,8 @@ def main() -> None:
     peer_contexts = [parse_tokens(c) for c in args.peer_contexts.split(",") if c]
     cfg = get_model(args.preset)
     cfg = cfg.replace(max_seq_len=max(cfg.max_seq_len, max(contexts + peer_contexts) + 64))
-    model = Decoder(cfg, device=args.device)
-    print("environment:", json.dumps(machine_info()))
+    model = Decoder(cfg, device=args.device, runtime=args.runtime)
+    print("environment:", json.dumps(machine_info()), "| runtime:", model.runtime)
 
     size_mb = bandwidth_buffer_mb(quick=args.quick)
     bw = measure_bandwidth(model.device, size_mb=size_mb)
@@ -134,7 +138,10 @@ def main() -> None:
     sweep = sweep_context(
         model, contexts, n_tokens=args.tokens, n_requests=args.requests, batch=args.batch, bandwidth=bw
     )
-    print(f"\n{cfg.name}, batch {args.batch}: TPOT against context (median of {args.requests} requests)")
+    print(
+        f"\n{cfg.name}, batch {args.batch}, runtime {model.runtime}: TPOT against context "
+        f"(median of {args.requests} requests)"
+    )
     print(f"{'context':>8} {'TPOT ms':>9} {'p99 ms':>8} {'predicted':>10} {'ratio':>6}")
     for p in sweep.points:
         m = p.metrics()

@@ -1,14 +1,14 @@
-"""The decode step as one flat module, three ways, for ``benchmarks/weight_term.py``: measuring instruments, not kvlab.
+"""The decode step as one flat module, two ways, for ``benchmarks/weight_term.py``: measuring instruments, not kvlab.
 
 - ``FlatStep``: the model's step with every abstraction taken out, in eager PyTorch: the floor of what PyTorch's cost
   per call allows.
-- ``onnx_step``: that module exported to ONNX and run whole by ONNX Runtime (K/V as inputs, new rows as outputs).
-- ``SplitStep``: ONNX Runtime for each layer's dense parts, a kvlab cache for its attention: the shape that would carry
-  ONNX Runtime into ``Decoder`` and keep every cache.
+- ``onnx_step``: that module exported to ONNX and run whole by ONNX Runtime (K/V as inputs, new rows as outputs): the
+  ceiling of a step with no Python in it, and no cache either.
 
-``check_step`` and ``check_split`` hold each to the model's logits (``tests/test_flat_step.py``). ONNX Runtime and
-``onnx`` come with ``pip install -e .[bench]``; without them the ONNX builders return None. Measurements:
-docs/cpu_performance.md, section G.
+kvlab's own ONNX Runtime step, which keeps every cache, is ``Decoder(cfg, runtime="onnx")`` (``kvlab.model.onnx_step``).
+``check_step`` holds each instrument to the model's logits (``tests/test_flat_step.py``). ONNX Runtime and ``onnx``
+come with ``pip install -e .[onnx]``; without them ``onnx_step`` returns None. Measurements: docs/cpu_performance.md,
+sections G and H.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import tempfile
 import warnings
 from collections.abc import Callable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -154,7 +153,7 @@ def onnx_session(
     try:
         import onnxruntime
     except ImportError:
-        print("onnxruntime candidates skipped: pip install -e .[bench] (onnx, onnxruntime)")
+        print("onnxruntime candidates skipped: pip install -e .[onnx] (onnx, onnxruntime)")
         return None
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
@@ -183,119 +182,3 @@ def onnx_step(flat: FlatStep, threads: int) -> Step | None:
         return tuple(torch.from_numpy(o) for o in outputs)
 
     return step
-
-
-class _Method(torch.nn.Module):
-    """One of ``FlatStep``'s methods as a module of its own, for the exporter (its weights become graph inputs)."""
-
-    def __init__(self, method: Callable) -> None:
-        super().__init__()
-        self.method = method
-
-    def forward(self, *args: torch.Tensor):
-        return self.method(*args)
-
-
-class SplitStep:
-    """A decode step split at attention, one sequence: ONNX Runtime runs each layer's dense parts
-    (``FlatStep.before_attention`` and ``after_attention``, then the logits), exported once with the weights as graph
-    inputs and bound to the model's own tensors (no copy, except a tied head's); each layer's attention runs in
-    PyTorch on a kvlab cache, through its own ``append`` and ``attend``. What carrying ONNX Runtime into
-    ``Decoder`` would look like while keeping every cache. ``split(token, cache)`` -> logits ``[vocab]``, valid
-    until the next call.
-
-    Build with ``SplitStep.build``, which returns None without ``onnxruntime``.
-    """
-
-    def __init__(self, model: Decoder, flat: FlatStep, sessions: tuple) -> None:
-        self.rope = model.rope
-        self.before, self.after, self.head = sessions
-        h, hkv, d, width = flat.h, flat.hkv, flat.d, flat.width
-        # Every buffer a session reads or writes is bound once; the residual stream alternates between two, so that
-        # no session writes the tensor it reads.
-        self.stream = [torch.zeros(1, width), torch.zeros(1, width)]
-        self.cos, self.sin, self.attended = torch.zeros(1, d), torch.zeros(1, d), torch.zeros(1, h * d)
-        self.q, self.k, self.v = torch.zeros(hkv, h // hkv, d), torch.zeros(hkv, d), torch.zeros(hkv, d)
-        self.out = torch.zeros(1, model.cfg.vocab_size)
-        self.before_io, self.after_io = [], []
-        for i, (attn_norm, wqkv, wo, mlp_norm, w_gate_up, w_down) in enumerate(flat.layers):
-            x, y = self.stream[i % 2], self.stream[(i + 1) % 2]
-            self.before_io.append(bind(self.before, [x, attn_norm, wqkv, self.cos, self.sin], [self.q, self.k, self.v]))
-            self.after_io.append(bind(self.after, [x, self.attended, wo, mlp_norm, w_gate_up, w_down], [y]))
-        last = self.stream[len(flat.layers) % 2]
-        # A tied head is the embedding's transpose, which an address cannot describe: that one weight is copied, and
-        # the copy kept here, since a binding holds only its address.
-        self.head_weight = flat.head.contiguous()
-        self.head_io = bind(self.head, [last, flat.final_norm, self.head_weight], [self.out])
-        self.embed = flat.embed
-
-    @classmethod
-    def build(cls, model: Decoder, threads: int) -> SplitStep | None:
-        flat = FlatStep(model)
-        attn_norm, wqkv, wo, mlp_norm, w_gate_up, w_down = flat.layers[0]
-        # Distinct example tensors: the tracer tells inputs apart by identity, so one tensor passed as both cos and
-        # sin would wire both to the first.
-        x, cos, sin = torch.zeros(1, flat.width), torch.ones(1, flat.d), torch.zeros(1, flat.d)
-        sessions = (
-            onnx_session(
-                _Method(flat.before_attention),
-                (x, attn_norm, wqkv, cos, sin),
-                list("xnwcs"),
-                list("qkv"),
-                threads,
-                spin=False,
-            ),
-            onnx_session(
-                _Method(flat.after_attention),
-                (x, torch.zeros(1, flat.h * flat.d), wo, mlp_norm, w_gate_up, w_down),
-                list("xaonud"),
-                ["y"],
-                threads,
-                spin=False,
-            ),
-            onnx_session(
-                _Method(flat.logits), (x, flat.final_norm, flat.head), list("xnh"), ["logits"], threads, spin=False
-            ),
-        )
-        return None if None in sessions else cls(model, flat, sessions)
-
-    def __call__(self, token: int, cache) -> torch.Tensor:
-        start = cache.reserve(1)
-        cos, sin = self.rope.span(start, 1)
-        self.cos.copy_(cos[0])
-        self.sin.copy_(sin[0])
-        self.stream[0].copy_(self.embed[token])
-        hkv, d = self.k.shape
-        for layer, (before, after) in enumerate(zip(self.before_io, self.after_io, strict=True)):
-            self.before.run_with_iobinding(before)
-            cache.append(layer, self.k.view(1, 1, hkv, d), self.v.view(1, 1, hkv, d))
-            q = self.q.view(1, hkv, -1, 1, d)
-            self.attended.copy_(cache.attend(layer, q).view(1, -1))
-            self.after.run_with_iobinding(after)
-        self.head.run_with_iobinding(self.head_io)
-        return self.out[0]
-
-
-def bind(session, inputs: list[torch.Tensor], outputs: list[torch.Tensor]):
-    """An ONNX Runtime binding of ``session``'s inputs and outputs, in order, to these tensors' memory (no copy)."""
-    binding = session.io_binding()
-    for names, tensors, bind_one in (
-        (session.get_inputs(), inputs, binding.bind_input),
-        (session.get_outputs(), outputs, binding.bind_output),
-    ):
-        for meta, t in zip(names, tensors, strict=True):
-            if not t.is_contiguous():
-                raise ValueError(f"{meta.name}: a strided tensor; allowed: contiguous tensors (bound by address)")
-            bind_one(meta.name, "cpu", 0, np.float32, list(t.shape), t.data_ptr())
-    return binding
-
-
-def check_split(model: Decoder, tokens: list[int], split: SplitStep) -> float:
-    """``check_step`` for a ``SplitStep``: the model and ``split`` each on a cache of the model's own kind."""
-    ours, theirs = model.new_cache(1, len(tokens)), model.new_cache(1, len(tokens))
-    worst = 0.0
-    for t in tokens:
-        want, got = model.decode_step(torch.tensor([t]), ours)[0], split(t, theirs)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        worst = max(worst, (got - want).abs().max().item())
-    return worst

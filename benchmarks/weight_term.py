@@ -16,9 +16,10 @@ of load from elsewhere slows each a little rather than one a lot:
 3. the model's zero-context decode step, against the weight bytes over the read bandwidth (predicted); the eager
    floor: the same step written as one flat module (``benchmarks/flat_step.py``), with no modules inside, no cache
    object and no checks, about as few PyTorch calls as eager mode allows; and, where ``onnxruntime`` and ``onnx``
-   are installed, that module exported to ONNX and run by ONNX Runtime, whole, and split at attention so that a
-   kvlab cache runs the attention. The gap between the model and the floor is kvlab's own overhead;
-   between the floor and ONNX Runtime, PyTorch's cost per call;
+   are installed, the model's step with ``runtime="onnx"`` (ONNX Runtime for each layer's dense parts, the cache
+   for attention: ``kvlab.model.onnx_step``), and the flat module exported and run whole by ONNX Runtime, with no
+   cache object. The gap between the model and the floor is kvlab's own overhead; between the floor and ONNX
+   Runtime, PyTorch's cost per call;
 4. at more than one thread, the weights the model cuts into column blocks (``kvlab.model.weights.splits_columns``):
    a pass over them by ``x @ W`` and by ``column_blocks_matmul``, at 1, 2, 4 and 8 rows.
 
@@ -55,11 +56,12 @@ from kvlab.machine.timing import (
     time_interleaved,
 )
 from kvlab.measure.step_time import layer_weights
+from kvlab.model.onnx_step import unsupported
 from kvlab.model.weights import WeightFormat, column_blocks_matmul, splits_columns
 from kvlab.roofline import weight_bytes_read
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from flat_step import FlatStep, SplitStep, check_split, check_step, floor_covers, onnx_step  # noqa: E402 (beside us)
+from flat_step import FlatStep, check_step, floor_covers, onnx_step  # noqa: E402 (beside us)
 
 # llama.cpp 0c1e570 on cpu-small converted to GGUF F32, zero-context step, 2-core AMD EPYC Zen 3
 # (docs/cpu_performance.md, section A): ms at one and two threads.
@@ -90,6 +92,18 @@ def matvec_candidates(model: Decoder) -> tuple[dict[str, object], dict[str, int]
     nbytes = dict.fromkeys(candidates, fp32_bytes)
     nbytes["int8 dynamic linear"] = sum(int8.weight_bytes(w) for w in weights)
     return candidates, nbytes
+
+
+def max_logit_diff(model: Decoder, other: Decoder, tokens: list[int]) -> float:
+    """Feed ``tokens`` one decode step at a time to both models, each on its own cache; the largest logit
+    difference. Raises beyond 1e-4: a step is timed in the model's place only if it computes the same logits."""
+    ours, theirs = model.new_cache(1, len(tokens)), other.new_cache(1, len(tokens))
+    worst = 0.0
+    for t in tokens:
+        want, got = model.decode_step(torch.tensor([t]), ours), other.decode_step(torch.tensor([t]), theirs)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        worst = max(worst, (got - want).abs().max().item())
+    return worst
 
 
 def zero_context_step(model: Decoder) -> Callable[[], torch.Tensor]:
@@ -183,10 +197,12 @@ def probes(size_mb: float) -> dict[str, object]:
 
 
 @torch.inference_mode()
-def measure(model: Decoder, threads: int, repeats: int, clock: str, size_mb: float) -> dict:
+def measure(model: Decoder, onnx_model: Decoder | None, threads: int, repeats: int, clock: str, size_mb: float) -> dict:
     torch.set_num_threads(threads)
     candidates, nbytes = matvec_candidates(model)
     steps = {f"step, {model.weight_dtype}": zero_context_step(model)}
+    if onnx_model is not None:  # its sessions run on the caller's thread, so it shares the loop with the others
+        steps["step, runtime='onnx'"] = zero_context_step(onnx_model)
     flat = FlatStep(model) if floor_covers(model) else None
     if flat is not None:
         cos, sin = model.rope.span(0, 1)
@@ -201,19 +217,11 @@ def measure(model: Decoder, threads: int, repeats: int, clock: str, size_mb: flo
     numpy = numpy_pass(model, threads, repeats, clock)
     if numpy is not None:
         matvec["numpy x @ W (BLAS), own loop"] = numpy
-    if flat is not None:  # in a loop of their own: ONNX Runtime's threads spin between runs, as OpenBLAS's do
-        onnx, split = onnx_step(flat, threads), SplitStep.build(model, threads)
-        cache = model.new_cache(1, 16)
-
-        def split_step() -> None:
-            split(0, cache)
-            cache.truncate(0)
-
-        runtimes = {"onnxruntime, same step": lambda: onnx(*zero), "split: onnxruntime + cache": split_step}
-        if onnx is not None and split is not None:
-            for name, fn in runtimes.items():  # one loop each: one session's spinning threads would slow the other
-                (seconds,) = time_interleaved({name: fn}, repeats, warmup=2, clock=clock).values()
-                ms[name], steps[name] = statistics.median(seconds) * 1e3, fn
+    onnx = onnx_step(flat, threads) if flat is not None else None
+    if onnx is not None:  # in a loop of its own: its session's threads spin between runs, as OpenBLAS's do
+        name = "onnxruntime, whole flat step"
+        (seconds,) = time_interleaved({name: lambda: onnx(*zero)}, repeats, warmup=2, clock=clock).values()
+        ms[name], steps[name] = statistics.median(seconds) * 1e3, onnx
     step_bytes = weight_bytes_read(model.cfg)
     blocks = column_blocks_by_rows(model, threads, repeats, clock) if threads > 1 else None
     return {
@@ -277,6 +285,12 @@ def main() -> None:
     if args.clock == "thread" and thread_counts != [1]:
         raise ValueError(f"--clock thread with --threads {args.threads}; allowed: --threads 1 (it counts one thread)")
     model = Decoder(get_model(args.preset), device="cpu")
+    onnx_model = None
+    if unsupported(model) is None:
+        onnx_model = Decoder(model.cfg, device="cpu", runtime="onnx")
+        onnx_model.load_state_dict(model.state_dict())
+    else:
+        print(f"runtime='onnx' skipped: {unsupported(model)}")
     print("environment:", json.dumps(machine_info()), "| OPENBLAS_NUM_THREADS:", os.environ.get("OPENBLAS_NUM_THREADS"))
     threadpool_limits = blas_limits()
     if threadpool_limits is not None:
@@ -287,27 +301,28 @@ def main() -> None:
     if floor_covers(model):
         with torch.inference_mode():
             floor_diff = check_step(model, list(range(1, 9)))
-            onnx, split = onnx_step(FlatStep(model), 1), SplitStep.build(model, 1)
+            onnx = onnx_step(FlatStep(model), 1)
             onnx_diff = None if onnx is None else check_step(model, list(range(1, 9)), onnx)
-            split_diff = None if split is None else check_split(model, list(range(1, 9)), split)
         print(f"eager floor: the model's logits over 8 steps, largest difference {floor_diff:.1e}")
         if onnx_diff is not None:
-            print(
-                f"onnxruntime: the model's logits over 8 steps, largest difference {onnx_diff:.1e} (whole step), "
-                f"{split_diff:.1e} (split)"
-            )
+            print(f"onnxruntime, whole flat step: the model's logits over 8 steps, largest difference {onnx_diff:.1e}")
+    if onnx_model is not None:
+        with torch.inference_mode():
+            runtime_diff = max_logit_diff(model, onnx_model, list(range(1, 9)))
+        print(f"runtime='onnx': the model's logits over 8 steps, largest difference {runtime_diff:.1e}")
     size_mb = bandwidth_buffer_mb(quick=args.quick)
     results = []
     for t in thread_counts:
-        results.append(measure(model, t, args.repeats, args.clock, size_mb))
+        results.append(measure(model, onnx_model, t, args.repeats, args.clock, size_mb))
         print("\n".join(report(results[-1], args.preset)))
     print(
         "\nweight term of copy: the weight bytes over copy bandwidth, divided by the measured step (the issue's "
         "measure; the target is 80%).\nx llama.cpp F32: the step over llama.cpp's on the same model and CPU kind "
         "(target: 1.2 at most).\neager floor: the same step with kvlab's modules, cache object and checks taken out "
-        "(FlatStep); what is left above the weight bytes is PyTorch's cost per call.\nonnxruntime: the same flat step "
-        "exported to ONNX and run by ONNX Runtime's C++ executor (timed in a loop of its own), which pays no Python "
-        "per operation.\nsplit: ONNX Runtime runs each layer's dense parts, kvlab's cache its attention (SplitStep)."
+        "(FlatStep); what is left above the weight bytes is PyTorch's cost per call.\nruntime='onnx': kvlab's step "
+        "with each layer's dense parts in ONNX Runtime and attention on kvlab's cache (Decoder(cfg, runtime='onnx')).\n"
+        "onnxruntime, whole flat step: the flat step exported to ONNX and run by ONNX Runtime's C++ executor (timed "
+        "in a loop of its own), with no Python per operation and no cache object: a ceiling."
     )
     alternating = None
     if len(thread_counts) > 1 and args.clock == "wall":

@@ -356,10 +356,12 @@ def measure_sweep(
     fill: str = "fast",
     device: str | None = None,
     threads: int | None = None,
+    runtime: str = "eager",
 ):
     """Decode the runnable ``preset`` on this machine at each context (tokens): ``kvlab bench``'s measurement, which
     ``kvlab report --measure`` runs too. Returns the config it ran (max context raised to fit) and the
-    ``kvlab.measure.sweep.Sweep``, whose prediction uses the read bandwidth measured in the same run."""
+    ``kvlab.measure.sweep.Sweep``, whose prediction uses the read bandwidth measured in the same run. ``runtime``
+    is ``Decoder``'s (``"eager"``, or ``"onnx"`` for ONNX Runtime on the CPU)."""
     import torch
 
     from kvlab.measure.sweep import sweep_context
@@ -377,6 +379,10 @@ def measure_sweep(
         model = Decoder(cfg, device=device)
     except RuntimeError as e:
         raise UsageError(f"--device: {e}") from None
+    try:
+        model.runtime = runtime
+    except ValueError as e:
+        raise UsageError(f"--runtime: {str(e).removeprefix('runtime: ')}") from None
     sweep = sweep_context(model, contexts, n_tokens=n_tokens, n_requests=n_requests, batch=batch, fill=fill)
     return cfg, sweep
 
@@ -398,6 +404,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UsageError(f"--fill: {args.fill!r}; allowed: fast, prefill")
     threads = _positive_int(args.threads, "--threads") if args.threads else None
     batch = _positive_int(args.batch, "--batch")
+    if args.runtime not in ("eager", "onnx"):
+        raise UsageError(f"--runtime: {args.runtime!r}; allowed: eager, onnx")
     cfg, sweep = measure_sweep(
         args.preset,
         contexts,
@@ -407,10 +415,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         fill=args.fill,
         device=args.device,
         threads=threads,
+        runtime=args.runtime,
     )
     bw = sweep.bandwidth
     print(
-        f"{cfg.name} on {sweep.device}, batch {batch}, {torch.get_num_threads()} threads; "
+        f"{cfg.name} on {sweep.device}, batch {batch}, {torch.get_num_threads()} threads, runtime {args.runtime}; "
         f"measured copy {bw.copy_gbps:.1f} GB/s, read {bw.read_gbps:.1f} GB/s"
     )
     print(f"{'context':>8}  {'TPOT ms':>8}  {'p99 ms':>8}  {'predicted ms':>12}")
@@ -776,6 +785,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--fill", default="fast", help="fast (random K/V) or prefill (default fast)")
     b.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if present)")
     b.add_argument("--threads", default=None, help="torch CPU threads (default: torch's choice)")
+    b.add_argument(
+        "--runtime",
+        default="eager",
+        help="what runs the decode step: eager (PyTorch) or onnx (ONNX Runtime for the dense parts, CPU, fp32; "
+        "pip install -e .[onnx])",
+    )
     b.add_argument("--json", help="write the results as JSON here")
     b.add_argument("--plot", help="write a measured-vs-predicted plot here (PNG)")
     server = b.add_argument_group("a server instead of this machine (vLLM's bench serve timing)")

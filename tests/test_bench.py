@@ -157,6 +157,17 @@ def test_bench_of_one_context_prints_its_tpot_and_says_there_is_no_line(tmp_path
     assert [p["context"] for p in json.loads((tmp_path / "b.json").read_text())["points"]] == [128]
 
 
+@pytest.mark.slow
+def test_bench_measures_the_onnx_runtime(tmp_path):
+    """``kvlab bench --runtime onnx`` through the installed entry point: it says which runtime it measured."""
+    pytest.importorskip("onnxruntime")
+    cmd = [sys.executable, "-m", "kvlab.cli", "bench", "--preset", "cpu-tiny", "--contexts", "64,128", "--runtime"]
+    cmd += ["onnx", "--tokens", "3", "--requests", "1", "--threads", "1"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "runtime onnx" in result.stdout and "fit:" in result.stdout, result.stdout
+
+
 def test_sweep_refuses_a_bandwidth_measured_with_other_threads():
     model = Decoder(tiny_config(), device="cpu")
     other = torch.get_num_threads() + 1

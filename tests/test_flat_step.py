@@ -1,6 +1,6 @@
-"""benchmarks/flat_step.py: the flat step (the eager floor, and the graphs ONNX Runtime runs, whole or split at
-attention) is the model's decode step with the abstractions taken out, so it must compute the model's logits, for
-every attention layout it claims to cover, and decline the rest."""
+"""benchmarks/flat_step.py: the flat step (the eager floor, and the graph ONNX Runtime runs whole) is the model's
+decode step with the abstractions taken out, so it must compute the model's logits, for every attention layout it
+claims to cover, and decline the rest. kvlab's own ONNX Runtime step is tested in tests/test_onnx_step.py."""
 
 from __future__ import annotations
 
@@ -73,13 +73,3 @@ def test_onnx_runtime_runs_the_models_step(flat_step) -> None:
     with torch.inference_mode():
         step = flat_step.onnx_step(flat_step.FlatStep(model), threads=1)
         assert flat_step.check_step(model, [5, 17, 3, 99, 42], step) < 1e-4
-
-
-def test_split_step_runs_the_models_step_on_a_kvlab_cache(flat_step) -> None:
-    pytest.importorskip("onnxruntime")
-    pytest.importorskip("onnx")
-    for cfg in (tiny_config(), tiny_config(tie_embeddings=True, n_kv_heads=1)):
-        model = random_norms(Decoder(cfg, device="cpu", seed=3))
-        with torch.inference_mode():
-            split = flat_step.SplitStep.build(model, threads=1)
-            assert flat_step.check_split(model, [5, 17, 3, 99, 42], split) < 1e-4

@@ -38,18 +38,33 @@ class Attention(nn.Module):
         self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None
     ) -> torch.Tensor:
         """``cos``, ``sin``: ``[T, 1, D]`` for the new positions. Without a cache, attends causally within ``x``."""
+        return self.output(self.attend(*self.project(x, cos, sin), rope, cache))
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` ``[B, T, d_model]`` -> the scaled, grouped queries ``[B, Hkv, G, T, D]`` and the new keys and values
+        ``[B, T, Hkv, D]``, queries and keys roped (``cos``, ``sin``: ``[T, 1, D]``, or ``[B, T, 1, D]``)."""
         b, t, _ = x.shape
         qk_heads = self.n_heads + self.n_kv_heads
         qkv = self.weights.matmul(x, self.wqkv).view(b, t, qk_heads + self.n_kv_heads, self.head_dim)
         qk = apply_rope(qkv[:, :, :qk_heads], cos, sin)
         q, k, v = qk[:, :, : self.n_heads], qk[:, :, self.n_heads :], qkv[:, :, qk_heads:]
-        grouped = group_queries(q, self.n_kv_heads, self.scale)
+        return group_queries(q, self.n_kv_heads, self.scale), k, v
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RotaryEmbedding, cache: KVCache | None
+    ) -> torch.Tensor:
+        """``project``'s outputs -> ``[B, Hkv, G, T, D]``: through ``cache`` (which stores ``k``, ``v`` first), or
+        causally within the new tokens without one."""
         if cache is None:
-            out = causal_attention(grouped, k.transpose(1, 2), v.transpose(1, 2), 0, self.layer_window)
-        else:
-            cache.append(self.layer, k, v)
-            out = cache.attend(self.layer, grouped, self.layer_window, functools.partial(rotated, grouped, rope))
-        return self.weights.matmul(ungroup(out), self.wo)
+            return causal_attention(q, k.transpose(1, 2), v.transpose(1, 2), 0, self.layer_window)
+        cache.append(self.layer, k, v)
+        return cache.attend(self.layer, q, self.layer_window, functools.partial(rotated, q, rope))
+
+    def output(self, attended: torch.Tensor) -> torch.Tensor:
+        """``attend``'s ``[B, Hkv, G, T, D]`` -> the output projection ``[B, T, d_model]``."""
+        return self.weights.matmul(ungroup(attended), self.wo)
 
 
 def group_queries(q: torch.Tensor, n_kv_heads: int, scale: float) -> torch.Tensor:

@@ -23,6 +23,7 @@ from kvlab.machine.device import resolve_device
 from kvlab.model.attention import Attention
 from kvlab.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from kvlab.model.mla import MLAAttention
+from kvlab.model.onnx_step import RUNTIMES, OnnxStep
 from kvlab.model.weights import WEIGHT_DTYPES, WeightFormat
 from kvlab.spec.config import ModelConfig
 from kvlab.spec.dtypes import KV_DTYPES, canonical_dtype, to_torch
@@ -39,7 +40,23 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, cos, sin, cache)
+        if isinstance(self.attn, MLAAttention):
+            return self.feed_forward(x + self.attn(self.attn_norm(x), rope, cos, sin, cache))
+        return self.after_attention(x, self.attn.attend(*self.before_attention(x, cos, sin), rope, cache))
+
+    # The block split at attention, for a runtime that runs the dense parts elsewhere (kvlab.model.onnx_step) and
+    # leaves attention to the cache. MHA/GQA/MQA only.
+    def before_attention(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The residual stream ``x`` -> ``Attention.project``'s queries, keys and values."""
+        return self.attn.project(self.attn_norm(x), cos, sin)
+
+    def after_attention(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The residual stream ``x`` and ``Attention.attend``'s output -> the stream after the whole block."""
+        return self.feed_forward(x + self.attn.output(attended))
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -53,6 +70,7 @@ class Decoder(nn.Module):
     ``weight_dtype`` (``kvlab.model.weights.WEIGHT_DTYPES``, default fp32) is the precision the projections and the LM
     head read their weights in; the parameters themselves stay fp32 (``kvlab.model.weights``). With another precision,
     ``cfg`` records it in ``weight_dtypes``, so the byte model (``kvlab.roofline``) charges those bytes.
+    ``runtime`` (``"eager"`` or ``"onnx"``) is what runs ``decode_step``: see the ``runtime`` property.
     """
 
     def __init__(
@@ -61,6 +79,7 @@ class Decoder(nn.Module):
         device: str | torch.device | None = None,
         seed: int | None = 0,
         weight_dtype: str = "fp32",
+        runtime: str = "eager",
     ) -> None:
         super().__init__()
         if not cfg.runnable:
@@ -88,6 +107,21 @@ class Decoder(nn.Module):
         # RoPE angles stay fp32 even in a bf16 model: bf16 cannot tell position 300 from 301.
         self.rope.inv_freq = self.rope.inv_freq.float()
         self.eval()
+        self._onnx_step: OnnxStep | None = None
+        self.runtime = runtime
+
+    @property
+    def runtime(self) -> str:
+        """What runs ``decode_step``: ``"eager"`` (PyTorch, every model and device) or ``"onnx"`` (ONNX Runtime for
+        each layer's dense parts, attention on the cache: ``kvlab.model.onnx_step``). Settable, e.g. after loading a
+        checkpoint."""
+        return "eager" if self._onnx_step is None else "onnx"
+
+    @runtime.setter
+    def runtime(self, runtime: str) -> None:
+        if runtime not in RUNTIMES:
+            raise ValueError(f"runtime: {runtime!r}; allowed: {', '.join(map(repr, RUNTIMES))}")
+        self._onnx_step = OnnxStep(self) if runtime == "onnx" else None
 
     @torch.no_grad()
     def reset_parameters(self, seed: int | None = 0) -> None:
@@ -141,18 +175,22 @@ class Decoder(nn.Module):
     def _run(self, tokens: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
         tokens = self._check_tokens(tokens, cache)
         n = tokens.shape[1]
-        start = 0 if cache is None else cache.reserve(n)
+        cos, sin = self.angles(0 if cache is None else cache.reserve(n), n)
+        h = self.embed(tokens)
+        for block in self.layers:
+            h = block(h, self.rope, cos, sin, cache)
+        return self._logits(h)
+
+    def angles(self, start: int | torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's ``cos``, ``sin`` for ``n`` new tokens from ``start`` (``KVCache.reserve``'s answer), in the model's
+        dtype: ``[n, 1, D]`` for one start, ``[B, n, 1, D]`` for one start per sequence."""
         if isinstance(start, int):
             cos, sin = self.rope.span(start, n)
         else:
             # A ragged batch (sequences at different lengths, as continuous batching runs them) gets one start per
             # sequence from its cache: positions [B, T], so each sequence's tokens are roped at their own positions.
             cos, sin = self.rope(start.to(self.device)[:, None] + torch.arange(n, device=self.device))
-        cos, sin = cos.to(self.torch_dtype), sin.to(self.torch_dtype)
-        h = self.embed(tokens)
-        for block in self.layers:
-            h = block(h, self.rope, cos, sin, cache)
-        return self._logits(h)
+        return cos.to(self.torch_dtype), sin.to(self.torch_dtype)
 
     def _check_tokens(self, tokens: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
         tokens = torch.as_tensor(tokens, device=self.device)
@@ -188,6 +226,8 @@ class Decoder(nn.Module):
             tokens = tokens[:, None]
         if tokens.shape[-1] != 1:
             raise ValueError(f"tokens: decode_step takes one token per sequence; got shape {tuple(tokens.shape)}")
+        if self._onnx_step is not None:
+            return self._onnx_step(self._check_tokens(tokens, cache), cache)
         return self._run(tokens, cache)[:, -1]
 
     @torch.inference_mode()

@@ -18,6 +18,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.inv_dim = 1 / dim  # a Python float, so that an exported graph holds it as a constant
         # eps as a tensor, so that mean(x**2) + eps is one op (addcmul) rather than three with a Python scalar. A
         # bf16 model stores it in bf16, 0.14% off 1e-5: far below what bf16 rounds its outputs by.
         self.register_buffer("_eps", torch.tensor(eps), persistent=False)
@@ -29,7 +30,7 @@ class RMSNorm(nn.Module):
         # about ten (pow, mean, casts), and a decode step normalises two one-row tensors per layer, where the
         # count of ops, not their arithmetic, sets the time (docs/cpu_performance.md, section F).
         norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
-        inv_rms = torch.addcmul(self._eps, norm, norm, value=1 / x.shape[-1]).rsqrt_()
+        inv_rms = torch.addcmul(self._eps, norm, norm, value=self.inv_dim).rsqrt_()
         return torch.mul(x, inv_rms).mul_(self.weight).to(x.dtype)
 
 
