@@ -35,6 +35,7 @@ from kvlab import Decoder, get_model
 from kvlab.cli import parse_tokens
 from kvlab.machine.timing import Bandwidth, bandwidth_buffer_mb, machine_info, measure_bandwidth, time_interleaved
 from kvlab.measure.sweep import sweep_context
+from kvlab.model.onnx_step import RUNTIMES
 from kvlab.roofline import predict_tpot_ms
 
 
@@ -103,7 +104,7 @@ def main() -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own count)")
     parser.add_argument(
-        "--runtime", default="eager", choices=("eager", "onnx"), help="what runs the decode step (Decoder's runtime)"
+        "--runtime", default="eager", choices=RUNTIMES, help="what runs the decode step (Decoder's runtime)"
     )
     parser.add_argument("--quick", action="store_true", help="cpu-tiny, short contexts")
     parser.add_argument("--json")

@@ -143,39 +143,29 @@ def check_step(model: Decoder, tokens: list[int], step: Step | None = None) -> f
     return worst
 
 
-def onnx_session(
-    module: torch.nn.Module, example: tuple, inputs: list[str], outputs: list[str], threads: int, spin: bool, **kw
-):
-    """``module`` exported to ONNX (traced on ``example``) as an ONNX Runtime CPU session on ``threads`` threads; None
-    without ``onnxruntime`` and ``onnx``. ``spin``: its threads wait for the next run spinning (fastest when nothing
-    else runs between its runs) or asleep (when PyTorch's threads run in between, which spinning ones starve: at two
-    threads a split step took 58.9 ms spinning, 11.4 asleep). ``kw`` goes to ``torch.onnx.export``."""
+def onnx_step(flat: FlatStep, threads: int) -> Step | None:
+    """``flat`` exported to ONNX and run by ONNX Runtime on ``threads`` threads, with ``FlatStep``'s signature; None
+    without ``onnxruntime`` and ``onnx``. ONNX Runtime runs the graph from C++, so a step pays no Python per operation.
+    Its threads spin between runs, fastest when nothing else runs in between (``weight_term.py`` times it alone)."""
     try:
         import onnxruntime
     except ImportError:
         print("onnxruntime candidates skipped: pip install -e .[onnx] (onnx, onnxruntime)")
         return None
-    options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
-    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the TorchScript-based exporter is deprecated; it still traces these graphs
-        path = os.path.join(tmp, "graph.onnx")
-        torch.onnx.export(module, example, path, dynamo=False, input_names=inputs, output_names=outputs, **kw)
-        return onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-
-
-def onnx_step(flat: FlatStep, threads: int) -> Step | None:
-    """``flat`` run by ONNX Runtime on ``threads`` threads, with ``FlatStep``'s signature; None without
-    ``onnxruntime``. ONNX Runtime runs the graph from C++, so a step pays no Python per operation."""
     keys, values = flat.empty_cache()
     example = (torch.zeros(1, dtype=torch.long), torch.ones(1, flat.d), torch.zeros(1, flat.d), keys, values)
     names = ["token", "cos", "sin", "keys", "values"]
     dynamic = {"keys": {3: "tokens"}, "values": {2: "tokens"}}
-    outputs = ["logits", "new_keys", "new_values"]
-    session = onnx_session(flat, example, names, outputs, threads, spin=True, dynamic_axes=dynamic)
-    if session is None:
-        return None
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the TorchScript-based exporter is deprecated; it still traces this graph
+        path = os.path.join(tmp, "graph.onnx")
+        outputs = ["logits", "new_keys", "new_values"]
+        torch.onnx.export(
+            flat, example, path, dynamo=False, input_names=names, output_names=outputs, dynamic_axes=dynamic
+        )
+        session = onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
 
     def step(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         outputs = session.run(None, {name: x.numpy() for name, x in zip(names, inputs, strict=True)})

@@ -375,6 +375,8 @@ def measure_sweep(
     capacity = max(contexts) + 64
     if capacity > cfg.max_seq_len:
         cfg = cfg.replace(max_seq_len=capacity)
+    if runtime == "onnx" and device is None:
+        device = "cpu"  # ONNX Runtime's CPU provider: not CUDA, even where it is present
     try:
         model = Decoder(cfg, device=device)
     except RuntimeError as e:
@@ -393,6 +395,8 @@ def _contexts(args: argparse.Namespace) -> list[int]:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.endpoint:
+        if args.runtime is not None:
+            raise UsageError("--runtime: only without --endpoint (it picks what runs this machine's decode step)")
         return cmd_bench_endpoint(args)
     for flag in ENDPOINT_FLAGS:
         if getattr(args, flag.lstrip("-").replace("-", "_")) is not None:
@@ -404,8 +408,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UsageError(f"--fill: {args.fill!r}; allowed: fast, prefill")
     threads = _positive_int(args.threads, "--threads") if args.threads else None
     batch = _positive_int(args.batch, "--batch")
-    if args.runtime not in ("eager", "onnx"):
-        raise UsageError(f"--runtime: {args.runtime!r}; allowed: eager, onnx")
+    from kvlab.model.onnx_step import RUNTIMES
+
+    runtime = args.runtime or "eager"
+    if runtime not in RUNTIMES:
+        raise UsageError(f"--runtime: {runtime!r}; allowed: {', '.join(RUNTIMES)}")
     cfg, sweep = measure_sweep(
         args.preset,
         contexts,
@@ -415,11 +422,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         fill=args.fill,
         device=args.device,
         threads=threads,
-        runtime=args.runtime,
+        runtime=runtime,
     )
     bw = sweep.bandwidth
+    # ONNX Runtime's sessions run on the calling thread; torch's threads run the attention.
+    engine = "runtime onnx (ONNX Runtime on 1 thread)" if sweep.runtime == "onnx" else f"runtime {sweep.runtime}"
     print(
-        f"{cfg.name} on {sweep.device}, batch {batch}, {torch.get_num_threads()} threads, runtime {args.runtime}; "
+        f"{cfg.name} on {sweep.device}, batch {batch}, {torch.get_num_threads()} threads, {engine}; "
         f"measured copy {bw.copy_gbps:.1f} GB/s, read {bw.read_gbps:.1f} GB/s"
     )
     print(f"{'context':>8}  {'TPOT ms':>8}  {'p99 ms':>8}  {'predicted ms':>12}")
@@ -434,7 +443,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"intercept {s['intercept_ms']:.2f} ms (predicted {s['predicted_intercept_ms']:.2f}), R^2 {s['r2']:.4f}"
         )
         print(
-            f"share of copy bandwidth: KV term {s['kv_bandwidth_fraction']:.0%}, "
+            f"share of read bandwidth: KV term {s['kv_bandwidth_fraction']:.0%}, "
             f"weight term {s['weight_bandwidth_fraction']:.0%}"
         )
     if args.json:
@@ -787,7 +796,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", default=None, help="torch CPU threads (default: torch's choice)")
     b.add_argument(
         "--runtime",
-        default="eager",
+        default=None,
         help="what runs the decode step: eager (PyTorch) or onnx (ONNX Runtime for the dense parts, CPU, fp32; "
         "pip install -e .[onnx])",
     )

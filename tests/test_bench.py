@@ -162,10 +162,11 @@ def test_bench_measures_the_onnx_runtime(tmp_path):
     """``kvlab bench --runtime onnx`` through the installed entry point: it says which runtime it measured."""
     pytest.importorskip("onnxruntime")
     cmd = [sys.executable, "-m", "kvlab.cli", "bench", "--preset", "cpu-tiny", "--contexts", "64,128", "--runtime"]
-    cmd += ["onnx", "--tokens", "3", "--requests", "1", "--threads", "1"]
+    cmd += ["onnx", "--tokens", "3", "--requests", "1", "--threads", "1", "--json", str(tmp_path / "b.json")]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "runtime onnx" in result.stdout and "fit:" in result.stdout, result.stdout
+    assert json.loads((tmp_path / "b.json").read_text())["runtime"] == "onnx"  # what the sweep's model ran
 
 
 def test_sweep_refuses_a_bandwidth_measured_with_other_threads():

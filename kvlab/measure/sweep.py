@@ -79,6 +79,7 @@ class Sweep:
     kv_bytes_per_token: float
     weight_bytes_read: int
     points: list[SweepPoint]
+    runtime: str = "eager"  # what ran the decode steps: Decoder.runtime
 
     @property
     def fit(self) -> Fit:
@@ -128,6 +129,7 @@ class Sweep:
             "device": self.device,
             "batch": self.batch,
             "fill": self.fill,
+            "runtime": self.runtime,
             "environment": machine_info(),
             "bandwidth": asdict(self.bandwidth),
             "kv_bytes_per_token": self.kv_bytes_per_token,
@@ -296,6 +298,7 @@ def interleaved_sweeps(
                 )
                 for c in contexts
             ],
+            runtime=arm.model.runtime,
         )
         for key, arm in arms.items()
     }

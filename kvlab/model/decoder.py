@@ -40,9 +40,7 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None
     ) -> torch.Tensor:
-        if isinstance(self.attn, MLAAttention):
-            return self.feed_forward(x + self.attn(self.attn_norm(x), rope, cos, sin, cache))
-        return self.after_attention(x, self.attn.attend(*self.before_attention(x, cos, sin), rope, cache))
+        return self.feed_forward(x + self.attn(self.attn_norm(x), rope, cos, sin, cache))
 
     # The block split at attention, for a runtime that runs the dense parts elsewhere (kvlab.model.onnx_step) and
     # leaves attention to the cache. MHA/GQA/MQA only.
@@ -226,7 +224,7 @@ class Decoder(nn.Module):
             tokens = tokens[:, None]
         if tokens.shape[-1] != 1:
             raise ValueError(f"tokens: decode_step takes one token per sequence; got shape {tuple(tokens.shape)}")
-        if self._onnx_step is not None:
+        if self._onnx_step is not None and cache is not None:
             return self._onnx_step(self._check_tokens(tokens, cache), cache)
         return self._run(tokens, cache)[:, -1]
 
