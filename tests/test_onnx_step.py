@@ -83,6 +83,7 @@ def decode_both(eager: Decoder, onnx: Decoder, make_cache, tokens: torch.Tensor,
         {"n_kv_heads": 4},
         {"n_kv_heads": 1},
         {"tie_embeddings": True},
+        {"head_dim": 32},  # n_heads x head_dim != d_model
         {
             "rope_scaling": (
                 ("rope_type", "llama3"),
@@ -93,7 +94,7 @@ def decode_both(eager: Decoder, onnx: Decoder, make_cache, tokens: torch.Tensor,
             )
         },
     ],
-    ids=["gqa", "mha", "mqa", "tied-head", "llama3-rope"],
+    ids=["gqa", "mha", "mqa", "tied-head", "wide-heads", "llama3-rope"],
 )
 @pytest.mark.parametrize("batch", [1, 3])
 def test_onnx_runtime_computes_the_eager_steps_logits(overrides, batch, graph_runs) -> None:
