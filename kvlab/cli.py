@@ -377,6 +377,8 @@ def measure_sweep(
         cfg = cfg.replace(max_seq_len=capacity)
     if runtime == "onnx" and device is None:
         device = "cpu"  # ONNX Runtime's CPU provider: not CUDA, even where it is present
+    if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device: {device}, but this torch has no CUDA device; allowed: cpu")
     try:
         model = Decoder(cfg, device=device)
     except RuntimeError as e:
@@ -395,7 +397,7 @@ def _contexts(args: argparse.Namespace) -> list[int]:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.endpoint:
-        if args.runtime is not None:
+        if args.runtime not in (None, "eager"):
             raise UsageError("--runtime: only without --endpoint (it picks what runs this machine's decode step)")
         return cmd_bench_endpoint(args)
     for flag in ENDPOINT_FLAGS:
@@ -427,8 +429,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bw = sweep.bandwidth
     # ONNX Runtime's sessions run on the calling thread; torch's threads run the attention.
     engine = "runtime onnx (ONNX Runtime on 1 thread)" if sweep.runtime == "onnx" else f"runtime {sweep.runtime}"
+    n_threads = torch.get_num_threads()
     print(
-        f"{cfg.name} on {sweep.device}, batch {batch}, {torch.get_num_threads()} threads, {engine}; "
+        f"{cfg.name} on {sweep.device}, batch {batch}, {n_threads} torch thread{'s' * (n_threads > 1)}, {engine}; "
         f"measured copy {bw.copy_gbps:.1f} GB/s, read {bw.read_gbps:.1f} GB/s"
     )
     print(f"{'context':>8}  {'TPOT ms':>8}  {'p99 ms':>8}  {'predicted ms':>12}")
@@ -443,14 +446,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"intercept {s['intercept_ms']:.2f} ms (predicted {s['predicted_intercept_ms']:.2f}), R^2 {s['r2']:.4f}"
         )
         print(
-            f"share of read bandwidth: KV term {s['kv_bandwidth_fraction']:.0%}, "
-            f"weight term {s['weight_bandwidth_fraction']:.0%}"
+            f"bandwidth each term reached, as a share of the {bw.read_gbps:.1f} GB/s read (predicted over fitted): "
+            f"weight term (intercept) {_share(s['weight_bandwidth_fraction'])}, "
+            f"KV term (slope) {_share(s['kv_bandwidth_fraction'])}"
         )
     if args.json:
         sweep.save_json(args.json)
     if args.plot:
         sweep.plot(args.plot)
     return 0
+
+
+def _share(fraction: float) -> str:
+    """A share of bandwidth as a percentage; a fit with no positive term (time falling with context: noise, or too
+    few contexts) has none to give."""
+    if math.isnan(fraction):
+        return "n/a (the fitted term is not positive: too noisy; add contexts or --requests)"
+    return f"{fraction:.0%}"
 
 
 def cmd_bench_endpoint(args: argparse.Namespace) -> int:
@@ -797,8 +809,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--runtime",
         default=None,
-        help="what runs the decode step: eager (PyTorch) or onnx (ONNX Runtime for the dense parts, CPU, fp32; "
-        "pip install -e .[onnx])",
+        help="what runs the decode step: eager (PyTorch, the default) or onnx (ONNX Runtime for the dense parts, "
+        "on one thread, CPU, fp32; --threads still sets torch's threads, which run attention; pip install -e .[onnx])",
     )
     b.add_argument("--json", help="write the results as JSON here")
     b.add_argument("--plot", help="write a measured-vs-predicted plot here (PNG)")

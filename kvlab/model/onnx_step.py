@@ -55,9 +55,9 @@ def _model_problem(model: nn.Module) -> str | None:
     if model.weight_dtype != "fp32":
         return f"weight_dtype={model.weight_dtype!r}; allowed: 'fp32' (ONNX Runtime reads the fp32 parameters)"
     if model.torch_dtype != torch.float32:
-        return f"a {model.torch_dtype} model; allowed: an fp32 model (dtype='fp32')"
+        return f"a {model.torch_dtype} model; allowed: an fp32 model (ModelConfig dtype='fp32', or model.float())"
     if model.device.type != "cpu":
-        return f"a model on {model.device}; allowed: the CPU (ONNX Runtime's CPU provider)"
+        return f"a model on {model.device}; allowed: the CPU (model.to('cpu'), or model.runtime = 'eager')"
     return None
 
 
@@ -235,7 +235,7 @@ class OnnxStep:
         model = self.model
         reason = _model_problem(model)
         if reason is not None:  # the model was moved or cast after it was built
-            raise ValueError(f"runtime: 'onnx' for {reason} (or set model.runtime = 'eager')")
+            raise ValueError(f"runtime: 'onnx' for {reason}")
         with self.lock:
             if self.registrations != _registrations or self._addresses() != self.addresses:
                 self._forget_plans()
