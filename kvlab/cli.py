@@ -662,6 +662,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model, name, bos, eos = load_model(args.model, args.device)
     except (ValueError, OSError, RuntimeError) as e:
         raise UsageError(f"--model: {args.model}: {e}") from None
+    if args.runtime:
+        try:
+            model.runtime = args.runtime
+        except ValueError as e:
+            raise UsageError(f"--runtime: {str(e).removeprefix('runtime: ')}") from None
     # By default the pool holds max_batch requests at the model's full context.
     blocks = (
         _positive_int(args.blocks, "--blocks")
@@ -678,7 +683,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_batch=max_batch,
         prefix_caching=not args.no_prefix_caching,
     )
-    print(f"kvlab serve: {name} on http://{args.host}:{port} ({blocks} blocks of {block_size}, batch {max_batch})")
+    print(
+        f"kvlab serve: {name} on http://{args.host}:{port} ({blocks} blocks of {block_size}, batch {max_batch}, "
+        f"runtime {model.runtime})"
+    )
     run_server(Server(engine, name, bos, max_waiting, eos), args.host, port)
     return 0
 
@@ -864,6 +872,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--window", help="keep each request's W most recent tokens (plus --sinks), free the blocks between")
     s.add_argument("--sinks", default="0", help="first tokens kept with --window (StreamingLLM's 4)")
     s.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt blocks")
+    s.add_argument(
+        "--runtime",
+        help="what runs decode steps: eager (default) or onnx (ONNX Runtime, CPU, fp32; pip install -e .[onnx])",
+    )
     s.add_argument("--blocks", help="KV blocks in the pool (default: --max-batch requests at the full context)")
     s.add_argument("--block-size", default="16", help="tokens per block (default 16)")
     s.add_argument("--max-batch", default="8", help="requests decoded together at most (default 8)")

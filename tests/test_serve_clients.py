@@ -223,3 +223,20 @@ def test_prompt_batches_echo_and_chat_forms(served: tuple[Server, str], client: 
     out = client.chat.completions.create(model=NAME, messages=messages)  # no max_tokens: up to the context
     assert out.usage.completion_tokens == CFG.max_seq_len - len(rendered)
     assert out.choices[0].finish_reason == "length"
+
+
+def test_the_onnx_runtime_serves_what_the_eager_one_does(served: tuple[Server, str], client: openai.OpenAI) -> None:
+    """``kvlab serve --runtime onnx``'s engine, asked by the official client: the same greedy completions as the
+    eager server, with requests batched at different lengths (ragged decode steps)."""
+    pytest.importorskip("onnxruntime")
+    onnx_model = Decoder(CFG, runtime="onnx")
+    onnx_model.load_state_dict(served[0].engine.model.state_dict())
+    prompts = ["import os", "def f(x):\n    return", "class A", "print('hello, world')"]
+    with serving(Server(Engine(onnx_model, n_blocks=64, block_size=4, max_batch=8), NAME)) as url:
+        theirs = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        want, got = (  # all four prompts in one request: the engine batches them
+            [c.text for c in cl.completions.create(model=NAME, prompt=prompts, max_tokens=12, temperature=0).choices]
+            for cl in (client, theirs)
+        )
+    assert got == want
+    assert max(onnx_model._onnx_step.plans) > 1  # ONNX Runtime ran the batched steps, not an eager fallback
