@@ -199,8 +199,10 @@ def test_onnx_runtime_keeps_the_models_mode() -> None:
     model.runtime = "onnx"
     assert not any(m.training for m in model.modules())
     model.train()
+    model.layers[1].eval()  # a model in training but for one layer keeps exactly that
+    modes = [m.training for m in model.modules()]
     model.runtime = "onnx"
-    assert all(m.training for m in model.modules())
+    assert [m.training for m in model.modules()] == modes and modes.count(False) == len(list(model.layers[1].modules()))
 
 
 @needs_onnxruntime

@@ -106,9 +106,10 @@ class _Graph:
 
         buffer = io.BytesIO()
         # Traced on one sequence: one row never takes WeightFormat's column blocks, so every product is exported as
-        # a plain MatMul, and the batch is then left free (dynamic_axes). The exporter puts the wrapper in eval mode
-        # and then restores the wrapper's mode to everything under it: given the module's own, nothing changes.
-        wrapper = _Method(module, method).train(module.training)
+        # a plain MatMul, and the batch is then left free (dynamic_axes).
+        wrapper = _Method(module, method)
+        # The exporter traces in eval mode, then sets the wrapper's mode on everything under it: put each back.
+        modes = {m: m.training for m in module.modules()}
         free = {name: {0: "batch"} for name in [*inputs, *outputs]}
         with warnings.catch_warnings():
             # The TorchScript-based exporter is deprecated, and the tracer warns at each shape-dependent branch: a
@@ -127,6 +128,8 @@ class _Graph:
                 dynamic_axes=free,
                 **_TRACED,
             )
+        for m, training in modes.items():
+            m.training = training
         options = onnxruntime.SessionOptions()
         # One thread, on the caller's: ONNX Runtime's own pool and PyTorch's OpenMP threads, which run the attention
         # between the graphs, took the same cores from each other (docs/cpu_performance.md, section H).
@@ -225,7 +228,9 @@ class OnnxStep:
         self.registrations = _registrations
         # Where each parameter is held, so that a step can see cheaply whether one moved (walking model.parameters()
         # each step took 0.1 ms, 1% of a step).
-        self.holders = [(m._parameters, name) for m in self.model.modules() for name in m._parameters]
+        self.holders = [
+            (m._parameters, n) for m in self.model.modules() for n, p in m._parameters.items() if p is not None
+        ]
         self.addresses = self._addresses()
 
     def _addresses(self) -> list[int]:
