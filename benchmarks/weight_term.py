@@ -286,12 +286,12 @@ def main() -> None:
     if args.clock == "thread" and thread_counts != [1]:
         raise ValueError(f"--clock thread with --threads {args.threads}; allowed: --threads 1 (it counts one thread)")
     model = Decoder(get_model(args.preset), device="cpu")
-    onnx_model = None
-    if unsupported(model) is None:
+    onnx_model, why_not = None, unsupported(model)
+    if why_not is None:
         onnx_model = Decoder(model.cfg, device="cpu", runtime="onnx")
         onnx_model.load_state_dict(model.state_dict())
     else:
-        print(f"runtime='onnx' skipped: {unsupported(model)}")
+        print(f"runtime='onnx' skipped: {why_not}")
     print("environment:", json.dumps(machine_info()), "| OPENBLAS_NUM_THREADS:", os.environ.get("OPENBLAS_NUM_THREADS"))
     threadpool_limits = blas_limits()
     if threadpool_limits is not None:
