@@ -1,9 +1,11 @@
-"""``Decoder(runtime="onnx")``: ONNX Runtime runs each layer's dense parts, the cache runs attention.
+"""``Decoder(runtime="onnx")``: ONNX Runtime runs the decode step's dense parts; on the cache ``new_cache`` makes
+(contiguous, fp32, keys token-major) it runs the whole step as one graph, attention included, and on every other
+cache the cache runs attention between two graphs a layer.
 
 The runtime must compute the eager step's logits (to fp32 rounding: two kernels, so a tolerance, not equality) for
-every attention layout it covers and under every cache kvlab has, ragged batches included; it must read the model's
-weights as they are now, not as they were when it was built; and it must refuse, naming the field and what is
-allowed, every model it does not cover.
+every attention layout it covers and under every cache kvlab has, ragged batches included; it must leave in the cache
+the K/V the eager step stores; it must read the model's weights as they are now, not as they were when it was built;
+and it must refuse, naming the field and what is allowed, every model it does not cover.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 from kvlab import Decoder
-from kvlab.cache import PagedKVCache, SharedPrefixKVCache, StaticKVCache
+from kvlab.cache import ContiguousKVCache, PagedKVCache, SharedPrefixKVCache, StaticKVCache
 from kvlab.model.layers import RMSNorm
 from kvlab.spec.config import MLAConfig
 
@@ -97,24 +99,94 @@ def decode_both(eager: Decoder, onnx: Decoder, make_cache, tokens: torch.Tensor,
     ids=["gqa", "mha", "mqa", "tied-head", "wide-heads", "llama3-rope"],
 )
 @pytest.mark.parametrize("batch", [1, 3])
-def test_onnx_runtime_computes_the_eager_steps_logits(overrides, batch, graph_runs) -> None:
+@pytest.mark.parametrize("key_major", [False, True], ids=["whole-graph", "split"])
+def test_onnx_runtime_computes_the_eager_steps_logits(overrides, batch, key_major, graph_runs) -> None:
+    """On token-major keys (``new_cache``'s, under the runtime) one graph a step; on key-major keys, which ONNX
+    Runtime's attention cannot read, two graphs a layer around the cache's attention, then the head."""
     eager, onnx = pair(tiny_config(**overrides))
     tokens = torch.randint(0, eager.cfg.vocab_size, (batch, 12), generator=torch.Generator().manual_seed(5))
-    assert decode_both(eager, onnx, lambda m: m.new_cache(batch, 16), tokens, 4) == 8
-    assert graph_runs[0] == 8 * (2 * eager.cfg.n_layers + 1)  # two halves a layer, then the head, each step
-
-
-STATIC = lambda m, b, c: StaticKVCache(m.new_cache(b, c).shape, b, c)  # noqa: E731
+    cache = lambda m: ContiguousKVCache.for_model(m, batch, 16, key_major=key_major)  # noqa: E731
+    assert decode_both(eager, onnx, cache, tokens, 4) == 8
+    assert graph_runs[0] == 8 * (2 * eager.cfg.n_layers + 1 if key_major else 1)
 
 
 @needs_onnxruntime
-@pytest.mark.parametrize("name", [n for n in CACHES_UNDER_WINDOWS if n != "shared-prefix"] + ["static"])
+@torch.inference_mode()
+def test_onnx_runtime_in_one_graph_stores_the_eager_steps_kv_in_place() -> None:
+    """The whole-step graph writes each new token's K/V into the cache's own slabs (no copy to put back), at the
+    slot the cache reserved, and counts the bytes the eager step counts; it fills the cache to its last slot."""
+    eager, onnx = pair(tiny_config(n_kv_heads=2))
+    tokens = torch.randint(0, 101, (2, 10), generator=torch.Generator().manual_seed(8))
+    caches = [m.new_cache(2, 10) for m in (eager, onnx)]
+    assert [c.key_major for c in caches] == [True, False]
+    slabs = [s.data_ptr() for layer in range(2) for s in caches[1].slabs(layer)]
+    for model, cache in zip((eager, onnx), caches, strict=True):
+        model.prefill(tokens[:, :3], cache)
+        for i in range(3, 10):
+            model.decode_step(tokens[:, i], cache)
+    assert [s.data_ptr() for layer in range(2) for s in caches[1].slabs(layer)] == slabs
+    for layer in range(2):
+        for got, want in zip(caches[1].read(layer), caches[0].read(layer), strict=True):
+            torch.testing.assert_close(got, want, **TOL)
+    assert caches[1].length == 10 and caches[1].bytes_read_per_step() == caches[0].bytes_read_per_step()
+    assert caches[1].bytes_stored() == caches[0].bytes_stored()
+
+
+@needs_onnxruntime
+@torch.inference_mode()
+def test_onnx_runtime_in_one_graph_follows_the_cache_it_is_given() -> None:
+    """The graph is bound to one cache's slabs at a time: steps alternating between two caches, a rollback (what a
+    speculative decoder does) and a cache made after another was dropped each read their own tokens."""
+    eager, onnx = pair(tiny_config())
+    prompts = torch.randint(0, 101, (2, 5), generator=torch.Generator().manual_seed(2))
+
+    def run(model: Decoder) -> list[torch.Tensor]:
+        a, b = model.new_cache(1, 12), model.new_cache(1, 12)
+        model.prefill(prompts[:1], a)
+        model.prefill(prompts[1:], b)
+        out = []
+        for t in (3, 9, 27):
+            out += [model.decode_step(torch.tensor([t]), a), model.decode_step(torch.tensor([t + 1]), b)]
+        a.truncate(6)  # forget the last two of a's tokens, then take others in their place
+        out += [model.decode_step(torch.tensor([50]), a), model.decode_step(torch.tensor([51]), a)]
+        del a, b
+        c = model.new_cache(1, 12)
+        model.prefill(prompts[1:, :2], c)
+        return [*out, model.decode_step(torch.tensor([4]), c)]
+
+    for got, want in zip(run(onnx), run(eager), strict=True):
+        torch.testing.assert_close(got, want, **TOL)
+    assert onnx.generate(prompts[0], 6).tolist() == eager.generate(prompts[0], 6).tolist()
+
+
+@needs_onnxruntime
+def test_new_cache_keeps_keys_token_major_only_under_the_onnx_runtime_in_fp32() -> None:
+    model = Decoder(tiny_config(), device="cpu")
+    assert model.new_cache(1, 8).key_major
+    model.runtime = "onnx"
+    assert not model.new_cache(1, 8).key_major
+    assert model.new_cache(1, 8, kv_dtype="bf16").key_major  # the graph reads fp32 slabs only
+    with pytest.raises(ValueError, match=r"codec: 'int8' stores encoded slots; allowed for slabs\(\): fp32"):
+        model.new_cache(1, 8, kv_dtype="int8").slabs(0)
+    with pytest.raises(ValueError, match="key_major"):
+        ContiguousKVCache.for_model(model, 1, 8, key_major="no")
+
+
+STATIC = lambda m, b, c: StaticKVCache(m.new_cache(b, c).shape, b, c)  # noqa: E731
+TOKEN_MAJOR = lambda m, b, c: ContiguousKVCache.for_model(m, b, c, key_major=False)  # noqa: E731
+
+
+@needs_onnxruntime
+@pytest.mark.parametrize(
+    "name", [n for n in CACHES_UNDER_WINDOWS if n != "shared-prefix"] + ["static", "token-major-keys"]
+)
 def test_onnx_runtime_under_every_cache(name: str) -> None:
     """Attention stays with the cache, so each cache (windows, sinks that re-rotate queries, heavy hitters, pages,
-    codecs, a static slab) gives the eager step's logits: under sliding-window layers, or without them where it
-    refuses windows."""
+    codecs, a static slab, and token-major keys under sliding-window layers, which the one-graph step does not take)
+    gives the eager step's logits: under sliding-window layers, or without them where it refuses windows."""
     tokens = torch.randint(0, WINDOWED.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
-    make_cache = lambda m: (STATIC if name == "static" else CACHES_UNDER_WINDOWS[name])(m, 2, 20)  # noqa: E731
+    extra = {"static": STATIC, "token-major-keys": TOKEN_MAJOR}
+    make_cache = lambda m: (extra.get(name) or CACHES_UNDER_WINDOWS[name])(m, 2, 20)  # noqa: E731
     try:
         steps = decode_both(*pair(WINDOWED, seed=2), make_cache, tokens, 7)
     except ValueError as refusal:
@@ -158,14 +230,15 @@ def test_onnx_runtime_on_a_shared_prefix_and_a_ragged_batch() -> None:
 
 
 @needs_onnxruntime
-def test_onnx_runtime_reads_the_weights_as_they_are_now() -> None:
+@pytest.mark.parametrize("key_major", [False, True], ids=["whole-graph", "split"])
+def test_onnx_runtime_reads_the_weights_as_they_are_now(key_major: bool) -> None:
     """Bound by address: a checkpoint loaded in place is read live; tensors replaced (``assign=True``), storage
     swapped (``.data =``) or a module replaced are bound anew at the next step, and so is a new batch size."""
     eager, onnx = pair(tiny_config())
     tokens = torch.tensor([[5, 17, 3, 99, 42, 7]] * 2)
 
     def step(model: Decoder, batch: int = 1) -> torch.Tensor:
-        cache = model.new_cache(batch, 8)
+        cache = ContiguousKVCache.for_model(model, batch, 8, key_major=key_major)
         model.prefill(tokens[:batch, :5], cache)
         return model.decode_step(tokens[:batch, 5], cache)
 
@@ -263,8 +336,9 @@ def test_onnx_runtime_refuses_a_model_cast_or_moved_after_it_was_built() -> None
         model.decode_step(torch.tensor([1]), model.new_cache(1, 4))
     model = Decoder(tiny_config(), device="cpu", runtime="onnx")
     model.layers[1].mlp.to("meta")  # one layer off the CPU: its address means nothing to ONNX Runtime
-    with pytest.raises(ValueError, match=r"m.mlp.w_gate_up.* on meta; allowed: contiguous fp32 tensors on the CPU"):
-        model.decode_step(torch.tensor([1]), model.new_cache(1, 4))
+    for cache in (model.new_cache(1, 4), ContiguousKVCache.for_model(model, 1, 4)):  # one graph, or two a layer
+        with pytest.raises(ValueError, match=r"mlp.w_gate_up.* on meta; allowed: contiguous fp32 tensors on the CPU"):
+            model.decode_step(torch.tensor([1]), cache)
 
 
 def test_onnx_runtime_without_onnxruntime_says_how_to_install_it(monkeypatch) -> None:

@@ -149,7 +149,8 @@ class Decoder(nn.Module):
 
         ``kv_dtype`` (default: the model's dtype) is the codec, any of ``kvlab.spec.dtypes.KV_DTYPES``. The storage
         follows the model: MLA's latent slab for an MLA model; a window cache when some layers are local (they
-        keep only their window, the global ones everything); a contiguous slab otherwise.
+        keep only their window, the global ones everything); a contiguous slab otherwise, its keys token-major under
+        ``runtime="onnx"`` (the layout whose decode step runs as one graph: ``kvlab.model.onnx_step``).
         """
         cfg = self.cfg
         capacity = cfg.max_seq_len if capacity is None else capacity
@@ -164,7 +165,8 @@ class Decoder(nn.Module):
             return LatentKVCache.for_model(self, batch_size, capacity, codec=codec)
         if local:
             return WindowKVCache.for_model(self, batch_size, capacity, window=cfg.layer_windows, codec=codec)
-        return ContiguousKVCache.for_model(self, batch_size, capacity, codec=codec)
+        key_major = self.runtime == "eager" or codec != "fp32"
+        return ContiguousKVCache.for_model(self, batch_size, capacity, codec=codec, key_major=key_major)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         h = self.norm(h)

@@ -3,15 +3,21 @@
 
 Why: a small model's decode step is a few dozen matrix products and a few hundred small operations. Eager PyTorch
 pays microseconds of Python and dispatch for each of them, 2-2.5 ms of a 10-13 ms step on ``cpu-small`` on a 2-core
-AMD EPYC (docs/cpu_performance.md, section G). ONNX Runtime runs a graph of the same operations from C++. What is left
-in Python is attention on the cache, about 0.1 ms a layer at zero context. On that machine the zero-context step ran
-7-15% faster than the eager one in the same process (section H).
+AMD EPYC (docs/cpu_performance.md, section G). ONNX Runtime runs a graph of the same operations from C++.
 
-How: each block is split at attention (``Block.before_attention`` and ``Block.after_attention``). Those two halves
-and the LM head are exported from the model's own modules, once, with the weights left as graph inputs; each layer
-binds them to its own parameters by address (no copy), so weights edited or loaded in place are read as they are.
-Attention runs in between, in PyTorch, through the cache's own ``append`` and ``attend``: every cache kvlab has
-(paged, windowed, quantized, heavy hitters, shared prefixes) works unchanged and reads the bytes it always read.
+How: the graphs are exported from the model's own modules, with the weights left as graph inputs bound to the
+parameters by address (no copy), so weights edited or loaded in place are read as they are. Two shapes of step:
+
+- **One graph a step**, on the cache ``Decoder.new_cache`` makes under this runtime: a ``ContiguousKVCache`` of
+  fp32 whose keys are token-major, ``[B, Hkv, capacity, D]`` like its values. That is the layout ONNX Runtime's
+  ``GroupQueryAttention`` operator reads and writes in place, so the embedding, every layer with its attention, and
+  the head run as one graph over the cache's own slabs, with no PyTorch operation between two steps' weight reads.
+  On that machine its zero-context step ran 20-30% faster than the eager one (section I).
+- **Two graphs a layer**, on every other cache: each block is split at attention (``Block.before_attention`` and
+  ``Block.after_attention``), and attention runs in between, in PyTorch, through the cache's own ``append`` and
+  ``attend``. Every cache kvlab has (paged, windowed, quantized, heavy hitters, shared prefixes, key-major slabs)
+  works unchanged and reads the bytes it always read. About 0.1 ms a layer stays in Python; 7-15% faster than eager
+  (section H).
 
 It covers what ``unsupported`` does not name: dense fp32 MHA/GQA/MQA models on the CPU, one new token per sequence
 (prefill stays eager: it runs once per request, and its products are compute-bound). It runs the model's modules as
@@ -25,6 +31,8 @@ import inspect
 import io
 import threading
 import warnings
+import weakref
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -32,10 +40,12 @@ import torch.nn as nn
 from torch.nn.modules import module as module_hooks
 
 from kvlab.cache.base import KVCache
+from kvlab.cache.storage.slab import ContiguousKVCache
 
 # ``model`` below is a ``kvlab.model.decoder.Decoder``, which imports this module: typed as the nn.Module it is.
 
 RUNTIMES: tuple[str, ...] = ("eager", "onnx")
+Outputs = torch.Tensor | tuple[torch.Tensor, ...]
 INSTALL = "pip install -e .[onnx] (onnx and onnxruntime)"
 
 
@@ -81,15 +91,15 @@ def _install_hooks() -> None:
 
 
 class _Method(nn.Module):
-    """``module.<method>`` as a module's ``forward``, for the exporter: ``module``'s parameters become graph inputs
+    """``fn(module, *inputs)`` as a module's ``forward``, for the exporter: ``module``'s parameters become graph inputs
     named ``m.<their name in module>``."""
 
-    def __init__(self, module: nn.Module, method: str) -> None:
+    def __init__(self, module: nn.Module, fn: Callable[..., Outputs]) -> None:
         super().__init__()
-        self.m, self.method = module, method
+        self.m, self.fn = module, fn
 
-    def forward(self, *args: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        return getattr(self.m, self.method)(*args)
+    def forward(self, *args: torch.Tensor) -> Outputs:
+        return self.fn(self.m, *args)
 
 
 # torch.onnx.export gained ``dynamo`` in torch 2.5 and made the new exporter the default later; these graphs are
@@ -98,19 +108,30 @@ _TRACED = {"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).
 
 
 class _Graph:
-    """One exported half: an ONNX Runtime session, its activation inputs and outputs, and the parameters (by name in
+    """One exported graph: an ONNX Runtime session, its activation inputs and outputs, and the parameters (by name in
     the module it came from) that it reads."""
 
-    def __init__(self, module: nn.Module, method: str, inputs: dict[str, torch.Tensor], outputs: list[str]) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        fn: Callable[..., Outputs],
+        inputs: dict[str, torch.Tensor],
+        outputs: list[str],
+        free: dict[str, dict[int, str]] | None = None,
+        opsets: dict[str, int] | None = None,
+    ) -> None:
+        """``fn(module, *inputs.values())`` -> ``outputs``, traced on ``inputs``. ``free``: the axes left free, by
+        input or output name (default: the batch, axis 0, of every one). ``opsets``: the operator domains beyond
+        ONNX's own that ``fn`` exports to, with their versions (the exporter warns, on stderr, of one unused)."""
         import onnxruntime
 
         buffer = io.BytesIO()
         # Traced on one sequence: one row never takes WeightFormat's column blocks, so every product is exported as
         # a plain MatMul, and the batch is then left free (dynamic_axes).
-        wrapper = _Method(module, method)
+        wrapper = _Method(module, fn)
         # The exporter traces in eval mode, then sets the wrapper's mode on everything under it: put each back.
         modes = {m: m.training for m in module.modules()}
-        free = {name: {0: "batch"} for name in [*inputs, *outputs]}
+        free = {name: {0: "batch"} for name in [*inputs, *outputs]} if free is None else free
         with warnings.catch_warnings():
             # The TorchScript-based exporter is deprecated, and the tracer warns at each shape-dependent branch: a
             # decode step takes the same branches (one token) at every batch size.
@@ -126,6 +147,7 @@ class _Graph:
                 input_names=list(inputs),
                 output_names=outputs,
                 dynamic_axes=free,
+                custom_opsets=opsets,
                 **_TRACED,
             )
         for m, training in modes.items():
@@ -141,23 +163,32 @@ class _Graph:
         """An ONNX Runtime binding of this graph, by name and address, to ``activations``, ``module``'s parameters
         and ``outputs``. Returns the binding and the tensors it reads from parameters."""
         binding = self.session.io_binding()
-        params = {f"m.{name}": module.get_parameter(name).detach() for name in self.parameters}
+        params = {f"m.{name}": _state(module, name).detach() for name in self.parameters}
         for name, t in (activations | params).items():
-            binding.bind_input(name, "cpu", 0, np.float32, list(t.shape), _address(t, name))
+            bind_input(binding, name, t)
         for name, t in outputs.items():
             bind_output(binding, name, t)
         return binding, list(params.values())
 
 
+# What a binding may point at: fp32 activations and weights, token ids, and GroupQueryAttention's int32 lengths.
+_NUMPY = {torch.float32: np.float32, torch.int32: np.int32, torch.int64: np.int64}
+
+
+def bind_input(binding, name: str, t: torch.Tensor) -> None:
+    """Bind the graph input ``name`` of ``binding`` (an ONNX Runtime IOBinding) to ``t``'s memory."""
+    binding.bind_input(name, "cpu", 0, _NUMPY[t.dtype], list(t.shape), _address(t, name))
+
+
 def bind_output(binding, name: str, t: torch.Tensor) -> None:
-    """Bind the graph output ``name`` of ``binding`` (an ONNX Runtime IOBinding) to ``t``'s memory."""
+    """Bind the graph output ``name`` of ``binding`` to ``t``'s memory."""
     binding.bind_output(name, "cpu", 0, np.float32, list(t.shape), _address(t, name))
 
 
 def _address(t: torch.Tensor, name: str) -> int:
-    """``t``'s address, for a binding: ONNX Runtime reads it as contiguous fp32 on the CPU, so anything else is refused
-    (a device pointer or a strided view would be read as garbage, or crash the process)."""
-    if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
+    """``t``'s address, for a binding: ONNX Runtime reads it as contiguous fp32 (or int32) on the CPU, so anything
+    else is refused (a device pointer or a strided view would be read as garbage, or crash the process)."""
+    if t.device.type != "cpu" or t.dtype not in _NUMPY or not t.is_contiguous():
         layout = "contiguous" if t.is_contiguous() else "strided"
         raise ValueError(
             f"runtime: 'onnx' reads {name} from memory, but it is a {layout} {t.dtype} tensor on {t.device}; allowed: "
@@ -166,14 +197,92 @@ def _address(t: torch.Tensor, name: str) -> int:
     return t.data_ptr()
 
 
+def _state(module: nn.Module, name: str) -> torch.Tensor:
+    """The parameter, or else the buffer (RoPE's frequencies), that ``name`` names in ``module``."""
+    try:
+        return module.get_parameter(name)
+    except AttributeError:
+        return module.get_buffer(name)
+
+
+class _GroupQueryAttention(torch.autograd.Function):
+    """ONNX Runtime's ``GroupQueryAttention`` (domain ``com.microsoft``) as the exporter sees it.
+
+    One new token per sequence: ``q`` ``[B, 1, H * D]`` (already scaled), ``k``, ``v`` ``[B, 1, Hkv * D]``, over a
+    layer's key and value slabs ``[B, Hkv, capacity, D]``. It writes ``k`` and ``v`` into slot ``seqlens[b]`` of
+    each sequence and attends over slots ``0 .. seqlens[b]`` (``total`` = the longest, plus one). Its present
+    outputs are bound to the same memory as the slabs, so it writes in place and reads no slot past the length.
+    Query head ``h`` reads KV head ``h // (H / Hkv)``, as ``kvlab.model.attention.group_queries`` groups them.
+    Only ever traced: PyTorch runs ``forward`` for the shapes, ONNX Runtime runs the operator.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, keys, values, seqlens, total, n_heads: int, n_kv_heads: int):  # noqa: ARG004
+        return torch.zeros_like(q), keys.clone(), values.clone()
+
+    @staticmethod
+    def symbolic(g, q, k, v, keys, values, seqlens, total, n_heads: int, n_kv_heads: int):
+        outputs = g.op(
+            "com.microsoft::GroupQueryAttention",
+            *(q, k, v, keys, values, seqlens, total),
+            num_heads_i=n_heads,
+            kv_num_heads_i=n_kv_heads,
+            scale_f=1.0,
+            outputs=3,
+        )
+        for out, like in zip(outputs, (q, keys, values), strict=True):
+            out.setType(like.type())
+        return outputs
+
+
+def _whole_step(model: nn.Module, tokens, seqlens, *slabs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The decode step of ``tokens`` ``[B, 1]`` at positions ``seqlens`` ``[B]``, every layer and the head, attention
+    through ``_GroupQueryAttention`` on ``slabs`` (each layer's keys, then values) -> the logits, then each slab as
+    written. The embedding and RoPE's angles are in the graph too, so a step runs no PyTorch operation around it."""
+    cfg, written = model.cfg, []
+    total = seqlens.max() + 1
+    cos, sin = model.rope(seqlens.long()[:, None])
+    x = model.embed(tokens)
+    for block, keys, values in zip(model.layers, slabs[::2], slabs[1::2], strict=True):
+        q, k, v = block.before_attention(x, cos, sin)
+        attended, keys, values = _GroupQueryAttention.apply(
+            q.flatten(1).unsqueeze(1),
+            k.flatten(2),
+            v.flatten(2),
+            keys,
+            values,
+            seqlens,
+            total,
+            cfg.n_heads,
+            cfg.n_kv_heads,
+        )
+        x = block.after_attention(x, attended.view_as(q))
+        written += [keys, values]
+    return model._logits(x), *written
+
+
+def _reads_in_place(model: nn.Module, cache: KVCache) -> bool:
+    """Whether a step of ``model`` on ``cache`` runs as one graph, attention included: a ``ContiguousKVCache`` of fp32
+    with keys token-major (``key_major=False``, what ``Decoder.new_cache`` makes under ``runtime="onnx"``), and no
+    sliding-window layer. On every other cache, the cache's own attention runs between the graphs."""
+    return (
+        type(cache) is ContiguousKVCache
+        and not cache.key_major
+        and cache.codec == "fp32"
+        and not any(model.cfg.layer_windows or ())
+    )
+
+
 class _Plan:
-    """The buffers and bindings of a step at one batch size: built once, reused by every step at that size."""
+    """The buffers and bindings of a step at one batch size, on a cache that attends by itself: built once, reused by
+    every step at that size. Per layer, a graph before attention and one after it."""
 
     def __init__(self, step: OnnxStep, batch: int) -> None:
         model, cfg = step.model, step.model.cfg
         h, hkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         # The residual stream alternates between two buffers, so that no graph writes the tensor it reads.
         self.stream = [torch.zeros(batch, 1, cfg.d_model), torch.zeros(batch, 1, cfg.d_model)]
+        self.x = self.stream[0]
         self.cos, self.sin = torch.zeros(batch, 1, 1, d), torch.zeros(batch, 1, 1, d)
         self.q, self.attended = torch.zeros(batch, hkv, h // hkv, 1, d), torch.zeros(batch, hkv, h // hkv, 1, d)
         self.k, self.v = torch.zeros(batch, 1, hkv, d), torch.zeros(batch, 1, hkv, d)
@@ -193,15 +302,66 @@ class _Plan:
         self.head, w3 = step.head.bind(model, {"x": last}, {"logits": torch.empty(self.logits_shape)})
         self.weights += w3
 
+    def run(self, step: OnnxStep, tokens: torch.Tensor, cache: KVCache, logits: torch.Tensor) -> None:
+        """One step of ``tokens``: the graphs, each layer's attention on ``cache`` between them, into ``logits``."""
+        model = step.model
+        cos, sin = model.angles(cache.reserve(1), 1)
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
+        self.x.copy_(model.embed(tokens))
+        for block, before, after in self.layers:
+            step.before.session.run_with_iobinding(before)
+            self.attended.copy_(block.attn.attend(self.q, self.k, self.v, model.rope, cache))
+            step.after.session.run_with_iobinding(after)
+        bind_output(self.head, "logits", logits)
+        step.head.session.run_with_iobinding(self.head)
+
+
+class _WholePlan:
+    """The buffers and binding of the whole-step graph at one batch size, on a cache it reads in place
+    (``_reads_in_place``). A cache's slabs are bound at its first step, and again for another cache."""
+
+    def __init__(self, step: OnnxStep, batch: int) -> None:
+        cfg = step.model.cfg
+        self.tokens, self.seqlens = torch.zeros(batch, 1, dtype=torch.long), torch.zeros(batch, dtype=torch.int32)
+        self.logits_shape = (batch, 1, cfg.vocab_size)
+        self.binding, self.weights = step.whole.bind(step.model, {"tokens": self.tokens, "seqlens": self.seqlens}, {})
+        self.cache: weakref.ref[KVCache] | None = None  # the cache whose slabs are bound
+
+    def run(self, step: OnnxStep, tokens: torch.Tensor, cache: ContiguousKVCache, logits: torch.Tensor) -> None:
+        """One step of ``tokens`` in one graph, writing their K/V into ``cache``'s next slot, into ``logits``.
+
+        Nothing but the graph runs between two steps' weight reads: PyTorch code run in between found its own code
+        and data evicted by the weights' stream, and took about 0.5 ms a step where it took 0.1 in a loop of its own
+        (docs/cpu_performance.md, section I)."""
+        if self.cache is None or self.cache() is not cache:
+            for layer in range(len(step.model.layers)):
+                for name, slab in zip(_slab_names(layer), cache.slabs(layer), strict=True):
+                    bind_input(self.binding, name, slab)
+                    bind_output(self.binding, f"{name}.written", slab)
+            self.cache = weakref.ref(cache)
+        self.seqlens.fill_(cache.reserve(1))  # the slot each sequence's new token takes: its position
+        self.tokens.copy_(tokens)
+        bind_output(self.binding, "logits", logits)
+        step.whole.session.run_with_iobinding(self.binding)
+
+
+def _slab_names(layer: int) -> tuple[str, str]:
+    return f"keys.{layer}", f"values.{layer}"
+
 
 class OnnxStep:
-    """``model``'s decode step with each layer's dense parts in ONNX Runtime and attention on the cache (see the module
-    docstring). ``step(tokens [B, 1], cache)`` -> logits ``[B, vocab]``, as ``Decoder.decode_step``.
+    """``model``'s decode step with its dense parts in ONNX Runtime (see the module docstring). ``step(tokens [B, 1],
+    cache)`` -> logits ``[B, vocab]``, as ``Decoder.decode_step``.
 
-    The graphs are exported when it is built (about 0.5 s). Each batch size gets its buffers and bindings at its first
-    step; all are bound again when a parameter moved to new memory (``.data =``) or any module registered a new
-    parameter or submodule (``load_state_dict(assign=True)``, a replaced layer). Steps run one at a time: a lock
-    serialises threads that share the model, since every step at one batch size writes the same buffers.
+    On a cache that ``_reads_in_place``, the whole step is one graph, exported at its first such step (about 1 s):
+    ONNX Runtime's ``GroupQueryAttention`` writes and reads the cache's slabs where they are. On any other cache, two
+    graphs per layer (exported when the step is built, about 0.5 s) run around the cache's own attention.
+
+    Each batch size gets its buffers and bindings at its first step; all are bound again when a parameter moved to
+    new memory (``.data =``) or any module registered a new parameter or submodule (``load_state_dict(assign=True)``,
+    a replaced layer). Steps run one at a time: a lock serialises threads that share the model, since every step at
+    one batch size writes the same buffers.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -211,20 +371,39 @@ class OnnxStep:
         _install_hooks()
         self.model = model
         cfg = model.cfg
-        block = model.layers[0]
+        block = type(model.layers[0])
         # Distinct example tensors: the tracer tells inputs apart by identity.
         d = cfg.head_dim
         x, cos, sin = torch.zeros(1, 1, cfg.d_model), torch.ones(1, 1, 1, d), torch.zeros(1, 1, 1, d)
         with torch.no_grad():
-            q, _, _ = block.before_attention(x, cos, sin)
-            self.before = _Graph(block, "before_attention", {"x": x, "cos": cos, "sin": sin}, ["q", "k", "v"])
-            self.after = _Graph(block, "after_attention", {"x": x, "attended": torch.zeros_like(q)}, ["y"])
-            self.head = _Graph(model, "_logits", {"x": x}, ["logits"])
+            q, _, _ = model.layers[0].before_attention(x, cos, sin)
+            self.before = _Graph(
+                model.layers[0], block.before_attention, {"x": x, "cos": cos, "sin": sin}, ["q", "k", "v"]
+            )
+            attended = torch.zeros_like(q)
+            self.after = _Graph(model.layers[0], block.after_attention, {"x": x, "attended": attended}, ["y"])
+            self.head = _Graph(model, type(model)._logits, {"x": x}, ["logits"])
+        self._whole: _Graph | None = None
         self.lock = threading.Lock()
         self._forget_plans()
 
+    @property
+    def whole(self) -> _Graph:
+        """The whole-step graph, exported at first use."""
+        if self._whole is None:
+            cfg = self.model.cfg
+            d, hkv = cfg.head_dim, cfg.n_kv_heads
+            inputs = {"tokens": torch.zeros(1, 1, dtype=torch.long), "seqlens": torch.zeros(1, dtype=torch.int32)}
+            slabs = {name: torch.zeros(1, hkv, 2, d) for i in range(cfg.n_layers) for name in _slab_names(i)}
+            outputs = ["logits", *(f"{name}.written" for name in slabs)]
+            free = {name: {0: "batch"} for name in ["tokens", "seqlens", "logits"]}
+            free |= {name: {0: "batch", 2: "capacity"} for name in outputs[1:] + list(slabs)}
+            with torch.no_grad():
+                self._whole = _Graph(self.model, _whole_step, inputs | slabs, outputs, free, {"com.microsoft": 1})
+        return self._whole
+
     def _forget_plans(self) -> None:
-        self.plans: dict[int, _Plan] = {}
+        self.plans: dict[tuple[int, bool], _Plan | _WholePlan] = {}
         self.registrations = _registrations
         # Where each parameter is held, so that a step can see cheaply whether one moved (walking model.parameters()
         # each step took 0.1 ms, 1% of a step).
@@ -244,20 +423,13 @@ class OnnxStep:
         with self.lock:
             if self.registrations != _registrations or self._addresses() != self.addresses:
                 self._forget_plans()
-            batch = tokens.shape[0]
-            if batch not in self.plans:
-                self.plans[batch] = _Plan(self, batch)
-            plan = self.plans[batch]
-            cos, sin = model.angles(cache.reserve(1), 1)
-            plan.cos.copy_(cos)
-            plan.sin.copy_(sin)
-            plan.stream[0].copy_(model.embed(tokens))
-            for block, before, after in plan.layers:
-                self.before.session.run_with_iobinding(before)
-                plan.attended.copy_(block.attn.attend(plan.q, plan.k, plan.v, model.rope, cache))
-                self.after.session.run_with_iobinding(after)
+            key = (tokens.shape[0], _reads_in_place(model, cache))
+            if key not in self.plans:
+                for name, p in model.named_parameters():  # before an export that would trace them
+                    _address(p, name)
+                self.plans[key] = (_WholePlan if key[1] else _Plan)(self, key[0])
+            plan = self.plans[key]
             # Fresh logits at every step, as the eager step returns: a caller may keep them.
             logits = torch.empty(plan.logits_shape)
-            bind_output(plan.head, "logits", logits)
-            self.head.session.run_with_iobinding(plan.head)
+            plan.run(self, tokens, cache, logits)
             return logits[:, 0]

@@ -19,14 +19,14 @@ from kvlab.cache.base import (
 from kvlab.cache.codec.stores import Store, attend_stores, make_store
 from kvlab.kernels.fused import fused_kernels
 from kvlab.kernels.reference import attention_with_probs, window_mask
-from kvlab.spec.validation import require_int
+from kvlab.spec.validation import require_bool, require_int
 
 
 def _slabs(
-    shape: CacheShape, batch_size: int, capacity: int, codec: str, group_size: int = 32
+    shape: CacheShape, batch_size: int, capacity: int, codec: str, group_size: int = 32, key_major: bool = True
 ) -> tuple[list[Store], list[Store], int]:
-    """One key store (key-major) and one value store per layer, ``capacity`` slots each, and the bytes one token
-    of one layer stores."""
+    """One key store (key-major unless ``key_major=False``) and one value store per layer, ``capacity`` slots each,
+    and the bytes one token of one layer stores."""
     lead = (batch_size, shape.n_kv_heads)
 
     def stores(key_major: bool) -> list[Store]:
@@ -35,7 +35,7 @@ def _slabs(
             for _ in range(shape.n_layers)
         ]
 
-    keys, values = stores(True), stores(False)
+    keys, values = stores(key_major), stores(False)
     return keys, values, shape.n_kv_heads * (keys[0].slot_bytes + values[0].slot_bytes)
 
 
@@ -46,6 +46,10 @@ class ContiguousKVCache(SlabKVCache):
     values are token-major, ``[B, Hkv, capacity, D]``, the layout ``p @ V`` streams best. ``codec`` (default: the
     dtype K/V arrive in) is any of ``kvlab.spec.dtypes.KV_DTYPES``; fp8/int8/int4 store each token's K and V encoded,
     ``group_size`` channels per scale (``kvlab.cache.codec.stores``). A layer's sliding window is applied as it reads.
+
+    ``key_major=False`` keeps float keys token-major like the values, ``[B, Hkv, capacity, D]``: the layout ONNX
+    Runtime's attention reads and writes in place, so ``Decoder.new_cache`` picks it under ``runtime="onnx"``
+    (``kvlab.model.onnx_step``). PyTorch's ``q @ K`` streams it more slowly. Encoded keys are token-major either way.
     """
 
     prefill_is_stepwise = True  # every token kept, each encoded on its own
@@ -58,12 +62,15 @@ class ContiguousKVCache(SlabKVCache):
         *,
         codec: str | None = None,
         group_size: int = 32,
+        key_major: bool = True,
     ) -> None:
         super().__init__(shape, batch_size, capacity)
         refuse_latent(shape, type(self).__name__)
+        require_bool("key_major", key_major)
         self.codec = kv_codec(codec, shape)
+        self.key_major = key_major
         self._keys, self._values, self._layer_token_bytes = _slabs(
-            shape, batch_size, self.capacity, self.codec, group_size
+            shape, batch_size, self.capacity, self.codec, group_size, key_major
         )
         self._read_windows: list[int | None] = [None] * shape.n_layers  # as the layers last told them
 
@@ -79,6 +86,14 @@ class ContiguousKVCache(SlabKVCache):
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._keys[layer].read(self._length), self._values[layer].read(self._length)
+
+    def slabs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s key and value slabs, every slot, as stored (``[B, Hkv, D, capacity]`` keys when
+        key-major, else ``[B, Hkv, capacity, D]``; values ``[B, Hkv, capacity, D]``): for a kernel that writes and
+        reads them in place (``kvlab.model.onnx_step``). Float codecs only."""
+        if self._keys[layer].encoded:
+            raise ValueError(f"codec: {self.codec!r} stores encoded slots; allowed for slabs(): fp32, fp16, bf16")
+        return self._keys[layer].data, self._values[layer].data
 
     def bytes_read_per_step(self, context: int | None = None) -> int:
         """K/V bytes a decode step over ``context`` tokens (default ``length``) reads: a layer that told the cache
