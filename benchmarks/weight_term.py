@@ -17,10 +17,10 @@ of load from elsewhere slows each a little rather than one a lot:
 3. the model's zero-context decode step, against the weight bytes over the read bandwidth (predicted); the eager
    floor: the same step written as one flat module (``benchmarks/flat_step.py``), with no modules inside, no cache
    object and no checks, about as few PyTorch calls as eager mode allows; and, where ``onnxruntime`` and ``onnx``
-   are installed, the model's step with ``runtime="onnx"`` (ONNX Runtime for each layer's dense parts, the cache
-   for attention: ``kvlab.model.onnx_step``), and the flat module exported and run whole by ONNX Runtime, with no
-   cache object. The gap between the model and the floor is kvlab's own overhead; between the floor and ONNX
-   Runtime, PyTorch's cost per call;
+   are installed, each in a loop of its own, the model's step with ``runtime="onnx"`` on its ``new_cache`` (one
+   ONNX Runtime graph a step, attention included: ``kvlab.model.onnx_step``), and the flat module exported and run
+   whole by ONNX Runtime, with its weights inside the graph. The gap between the model and the floor is kvlab's own
+   overhead; between the floor and ONNX Runtime, PyTorch's cost per call;
 4. at more than one thread, the weights the model cuts into column blocks (``kvlab.model.weights.splits_columns``):
    a pass over them by ``x @ W`` and by ``column_blocks_matmul``, at 1, 2, 4 and 8 rows.
 
@@ -202,8 +202,6 @@ def measure(model: Decoder, onnx_model: Decoder | None, threads: int, repeats: i
     torch.set_num_threads(threads)
     candidates, nbytes = matvec_candidates(model)
     steps = {f"step, {model.weight_dtype}": zero_context_step(model)}
-    if onnx_model is not None:  # its sessions run on the caller's thread, so it shares the loop with the others
-        steps["step, runtime='onnx'"] = zero_context_step(onnx_model)
     flat = FlatStep(model) if floor_covers(model) else None
     if flat is not None:
         cos, sin = model.rope.span(0, 1)
@@ -218,11 +216,17 @@ def measure(model: Decoder, onnx_model: Decoder | None, threads: int, repeats: i
     numpy = numpy_pass(model, threads, repeats, clock)
     if numpy is not None:
         matvec["numpy x @ W (BLAS), own loop"] = numpy
+    # ONNX Runtime's steps, each in a loop of its own. At more than one thread their sessions' threads spin within a
+    # run, and next to PyTorch's OpenMP threads, which spin for a while after each of PyTorch's steps, both slowed.
+    alone = {}
+    if onnx_model is not None:
+        alone["step, runtime='onnx', own loop"] = zero_context_step(onnx_model)
     onnx = onnx_step(flat, threads) if flat is not None else None
-    if onnx is not None:  # in a loop of its own: its session's threads spin between runs, as OpenBLAS's do
-        name = "onnxruntime, whole flat step"
-        (seconds,) = time_interleaved({name: lambda: onnx(*zero)}, repeats, warmup=2, clock=clock).values()
-        ms[name], steps[name] = statistics.median(seconds) * 1e3, onnx
+    if onnx is not None:
+        alone["onnxruntime, whole flat step"] = lambda: onnx(*zero)
+    for name, fn in alone.items():
+        (seconds,) = time_interleaved({name: fn}, repeats, warmup=2, clock=clock).values()
+        ms[name], steps[name] = statistics.median(seconds) * 1e3, fn
     step_bytes = weight_bytes_read(model.cfg)
     blocks = column_blocks_by_rows(model, threads, repeats, clock) if threads > 1 else None
     return {
@@ -325,8 +329,8 @@ def main() -> None:
                 "x llama.cpp F32: the step over llama.cpp's on the same model and CPU kind (target: 1.2 at most).",
                 "eager floor: the same step with kvlab's modules, cache object and checks taken out (FlatStep); what "
                 "is left above the weight bytes is PyTorch's cost per call.",
-                "runtime='onnx': kvlab's step with each layer's dense parts in ONNX Runtime and attention on kvlab's "
-                "cache (Decoder(cfg, runtime='onnx')).",
+                "runtime='onnx': kvlab's step under Decoder(cfg, runtime='onnx') on the model's own new_cache (one "
+                "ONNX Runtime graph a step, attention included, on torch's thread count), timed in a loop of its own.",
                 "onnxruntime, whole flat step: the flat step exported to ONNX and run by ONNX Runtime's C++ executor "
                 "(timed in a loop of its own), with no Python per operation and no cache object: a ceiling.",
             ]
@@ -335,11 +339,14 @@ def main() -> None:
     alternating = None
     if len(thread_counts) > 1 and args.clock == "wall":
         with torch.inference_mode():
-            alternating = steps_alternating(model, thread_counts, args.repeats)
-        print(
-            "zero-context step, thread counts alternating call by call: "
-            + ", ".join(f"{ms:.2f} ms at {t} thread(s)" for t, ms in alternating.items())
-        )
+            alternating = {"eager": steps_alternating(model, thread_counts, args.repeats)}
+            if onnx_model is not None:
+                alternating["onnx"] = steps_alternating(onnx_model, thread_counts, args.repeats)
+        for runtime, by_threads in alternating.items():
+            print(
+                f"zero-context step, runtime {runtime}, thread counts alternating call by call: "
+                + ", ".join(f"{ms:.2f} ms at {t} thread(s)" for t, ms in by_threads.items())
+            )
     if args.json:
         result = {"environment": machine_info(), "preset": args.preset, "results": results}
         result |= {"alternating_ms": alternating, "floor_max_logit_diff": floor_diff}

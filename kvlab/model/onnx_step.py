@@ -123,8 +123,6 @@ class _Graph:
         """``fn(module, *inputs.values())`` -> ``outputs``, traced on ``inputs``. ``free``: the axes left free, by
         input or output name (default: the batch, axis 0, of every one). ``opsets``: the operator domains beyond
         ONNX's own that ``fn`` exports to, with their versions (the exporter warns, on stderr, of one unused)."""
-        import onnxruntime
-
         buffer = io.BytesIO()
         # Traced on one sequence: one row never takes WeightFormat's column blocks, so every product is exported as
         # a plain MatMul, and the batch is then left free (dynamic_axes).
@@ -152,23 +150,46 @@ class _Graph:
             )
         for m, training in modes.items():
             m.training = training
-        options = onnxruntime.SessionOptions()
-        # One thread, on the caller's: ONNX Runtime's own pool and PyTorch's OpenMP threads, which run the attention
-        # between the graphs, took the same cores from each other (docs/cpu_performance.md, section H).
-        options.intra_op_num_threads = options.inter_op_num_threads = 1
-        self.session = onnxruntime.InferenceSession(buffer.getvalue(), options, providers=["CPUExecutionProvider"])
-        self.parameters = [i.name.removeprefix("m.") for i in self.session.get_inputs() if i.name not in inputs]
+        self.onnx = buffer.getvalue()
+        self.sessions: dict[int, object] = {}  # onnxruntime.InferenceSession by thread count
+        self.parameters = [i.name.removeprefix("m.") for i in self.session(1).get_inputs() if i.name not in inputs]
 
-    def bind(self, module: nn.Module, activations: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]):
-        """An ONNX Runtime binding of this graph, by name and address, to ``activations``, ``module``'s parameters
-        and ``outputs``. Returns the binding and the tensors it reads from parameters."""
-        binding = self.session.io_binding()
+    def session(self, threads: int):
+        """An ONNX Runtime session of this graph on ``threads`` threads (the caller's and ``threads - 1`` of its own),
+        made at first use.
+
+        Its threads spin within a run and stop at its end (``session.force_spinning_stop``): left spinning after a
+        run, they took the cores from PyTorch's OpenMP threads, and steps took up to twice as long
+        (docs/cpu_performance.md, sections H and I)."""
+        if threads not in self.sessions:
+            import onnxruntime
+
+            options = onnxruntime.SessionOptions()
+            options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+            options.add_session_config_entry("session.force_spinning_stop", "1")
+            self.sessions[threads] = onnxruntime.InferenceSession(
+                self.onnx, options, providers=["CPUExecutionProvider"]
+            )
+        return self.sessions[threads]
+
+    def bind(
+        self,
+        module: nn.Module,
+        activations: dict[str, torch.Tensor],
+        outputs: dict[str, torch.Tensor],
+        threads: int = 1,
+    ):
+        """A binding of this graph's session on ``threads`` threads, by name and address, to ``activations``,
+        ``module``'s parameters and ``outputs``. Returns the session, the binding and the tensors it reads from
+        parameters."""
+        session = self.session(threads)
+        binding = session.io_binding()
         params = {f"m.{name}": _state(module, name).detach() for name in self.parameters}
         for name, t in (activations | params).items():
             bind_input(binding, name, t)
         for name, t in outputs.items():
             bind_output(binding, name, t)
-        return binding, list(params.values())
+        return session, binding, list(params.values())
 
 
 # What a binding may point at: fp32 activations and weights, token ids, and GroupQueryAttention's int32 lengths.
@@ -289,17 +310,18 @@ class _Plan:
         self.logits_shape = (batch, 1, cfg.vocab_size)
         # A binding holds addresses only: ``self.weights`` holds the tensors they point into, so that their memory
         # outlives the binding even if the model lets go of it (``.data =``, ``load_state_dict(assign=True)``).
+        # Each graph on one thread, the caller's: PyTorch's threads run the attention between them.
         self.layers, self.weights = [], []
         for i, block in enumerate(model.layers):
             x, y = self.stream[i % 2], self.stream[(i + 1) % 2]
-            before, w1 = step.before.bind(
+            *before, w1 = step.before.bind(
                 block, {"x": x, "cos": self.cos, "sin": self.sin}, {"q": self.q, "k": self.k, "v": self.v}
             )
-            after, w2 = step.after.bind(block, {"x": x, "attended": self.attended}, {"y": y})
+            *after, w2 = step.after.bind(block, {"x": x, "attended": self.attended}, {"y": y})
             self.layers.append((block, before, after))
             self.weights += w1 + w2
         last = self.stream[len(model.layers) % 2]
-        self.head, w3 = step.head.bind(model, {"x": last}, {"logits": torch.empty(self.logits_shape)})
+        *self.head, w3 = step.head.bind(model, {"x": last}, {"logits": torch.empty(self.logits_shape)})
         self.weights += w3
 
     def run(self, step: OnnxStep, tokens: torch.Tensor, cache: KVCache, logits: torch.Tensor) -> None:
@@ -309,23 +331,26 @@ class _Plan:
         self.cos.copy_(cos)
         self.sin.copy_(sin)
         self.x.copy_(model.embed(tokens))
-        for block, before, after in self.layers:
-            step.before.session.run_with_iobinding(before)
+        for block, (before, before_binding), (after, after_binding) in self.layers:
+            before.run_with_iobinding(before_binding)
             self.attended.copy_(block.attn.attend(self.q, self.k, self.v, model.rope, cache))
-            step.after.session.run_with_iobinding(after)
-        bind_output(self.head, "logits", logits)
-        step.head.session.run_with_iobinding(self.head)
+            after.run_with_iobinding(after_binding)
+        head, binding = self.head
+        bind_output(binding, "logits", logits)
+        head.run_with_iobinding(binding)
 
 
 class _WholePlan:
     """The buffers and binding of the whole-step graph at one batch size, on a cache it reads in place
-    (``_reads_in_place``). A cache's slabs are bound at its first step, and again for another cache."""
+    (``_reads_in_place``), on ``threads`` threads. A cache's slabs are bound at its first step, and again for another
+    cache."""
 
-    def __init__(self, step: OnnxStep, batch: int) -> None:
+    def __init__(self, step: OnnxStep, batch: int, threads: int) -> None:
         cfg = step.model.cfg
         self.tokens, self.seqlens = torch.zeros(batch, 1, dtype=torch.long), torch.zeros(batch, dtype=torch.int32)
         self.logits_shape = (batch, 1, cfg.vocab_size)
-        self.binding, self.weights = step.whole.bind(step.model, {"tokens": self.tokens, "seqlens": self.seqlens}, {})
+        activations = {"tokens": self.tokens, "seqlens": self.seqlens}
+        self.session, self.binding, self.weights = step.whole.bind(step.model, activations, {}, threads)
         self.cache: weakref.ref[KVCache] | None = None  # the cache whose slabs are bound
 
     def run(self, step: OnnxStep, tokens: torch.Tensor, cache: ContiguousKVCache, logits: torch.Tensor) -> None:
@@ -343,7 +368,7 @@ class _WholePlan:
         self.seqlens.fill_(cache.reserve(1))  # the slot each sequence's new token takes: its position
         self.tokens.copy_(tokens)
         bind_output(self.binding, "logits", logits)
-        step.whole.session.run_with_iobinding(self.binding)
+        self.session.run_with_iobinding(self.binding)
 
 
 def _slab_names(layer: int) -> tuple[str, str]:
@@ -403,7 +428,7 @@ class OnnxStep:
         return self._whole
 
     def _forget_plans(self) -> None:
-        self.plans: dict[tuple[int, bool], _Plan | _WholePlan] = {}
+        self.plans: dict[tuple[int, int], _Plan | _WholePlan] = {}  # by batch and threads (0: the split graphs)
         self.registrations = _registrations
         # Where each parameter is held, so that a step can see cheaply whether one moved (walking model.parameters()
         # each step took 0.1 ms, 1% of a step).
@@ -423,12 +448,14 @@ class OnnxStep:
         with self.lock:
             if self.registrations != _registrations or self._addresses() != self.addresses:
                 self._forget_plans()
-            key = (tokens.shape[0], _reads_in_place(model, cache))
-            if key not in self.plans:
+            # The whole-step graph runs on as many threads as PyTorch has now; the split graphs on one.
+            batch, threads = tokens.shape[0], torch.get_num_threads() if _reads_in_place(model, cache) else 0
+            plan = self.plans.get((batch, threads))
+            if plan is None:
                 for name, p in model.named_parameters():  # before an export that would trace them
                     _address(p, name)
-                self.plans[key] = (_WholePlan if key[1] else _Plan)(self, key[0])
-            plan = self.plans[key]
+                plan = _WholePlan(self, batch, threads) if threads else _Plan(self, batch)
+                self.plans[batch, threads] = plan
             # Fresh logits at every step, as the eager step returns: a caller may keep them.
             logits = torch.empty(plan.logits_shape)
             plan.run(self, tokens, cache, logits)
