@@ -428,11 +428,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         runtime=runtime,
     )
     bw = sweep.bandwidth
-    # ONNX Runtime's sessions run on the calling thread; torch's threads run the attention.
-    engine = "runtime onnx (ONNX Runtime on 1 thread)" if sweep.runtime == "onnx" else f"runtime {sweep.runtime}"
     n_threads = torch.get_num_threads()
     print(
-        f"{cfg.name} on {sweep.device}, batch {batch}, {n_threads} torch thread{'s' * (n_threads > 1)}, {engine}; "
+        f"{cfg.name} on {sweep.device}, batch {batch}, {n_threads} thread{'s' * (n_threads > 1)}, "
+        f"runtime {sweep.runtime}; "
         f"measured copy {bw.copy_gbps:.1f} GB/s, read {bw.read_gbps:.1f} GB/s"
     )
     print(f"{'context':>8}  {'TPOT ms':>8}  {'p99 ms':>8}  {'predicted ms':>12}")
@@ -815,8 +814,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--runtime",
         default=None,
-        help="what runs the decode step: eager (PyTorch, the default) or onnx (ONNX Runtime for the dense parts, "
-        "on one thread, CPU, fp32; --threads still sets torch's threads, which run attention; pip install -e .[onnx])",
+        help="what runs the decode step: eager (PyTorch, the default) or onnx (ONNX Runtime, the whole step as one "
+        "graph on --threads threads; CPU, fp32, MHA/GQA/MQA; pip install -e .[onnx])",
     )
     b.add_argument("--json", help="write the results as JSON here")
     b.add_argument("--plot", help="write a measured-vs-predicted plot here (PNG)")

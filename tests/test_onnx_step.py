@@ -13,13 +13,14 @@ from __future__ import annotations
 import importlib.util
 import sys
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
 
 from kvlab import Decoder
 from kvlab.cache import ContiguousKVCache, PagedKVCache, SharedPrefixKVCache, StaticKVCache
-from kvlab.model.layers import RMSNorm
+from kvlab.model.layers import RMSNorm, RotaryEmbedding
 from kvlab.spec.config import MLAConfig
 
 from .helpers import tiny_config
@@ -157,6 +158,96 @@ def test_onnx_runtime_in_one_graph_follows_the_cache_it_is_given() -> None:
     for got, want in zip(run(onnx), run(eager), strict=True):
         torch.testing.assert_close(got, want, **TOL)
     assert onnx.generate(prompts[0], 6).tolist() == eager.generate(prompts[0], 6).tolist()
+
+
+@needs_onnxruntime
+@torch.inference_mode()
+def test_onnx_runtime_in_one_graph_runs_on_torchs_thread_count() -> None:
+    """A session per thread count, made at first use: steps taken at two threads and then at one continue the same
+    cache and give the eager step's logits."""
+    eager, onnx = pair(tiny_config())
+    caches = [m.new_cache(1, 12) for m in (eager, onnx)]
+    threads = torch.get_num_threads()
+    try:
+        for i, t in enumerate([2, 2, 1, 2]):
+            torch.set_num_threads(t)
+            want, got = (m.decode_step(torch.tensor([i + 3]), c) for m, c in zip((eager, onnx), caches, strict=True))
+            torch.testing.assert_close(got, want, **TOL)
+    finally:
+        torch.set_num_threads(threads)
+    assert sorted(onnx._onnx_step.plans) == [(1, 1), (1, 2)]
+
+
+@needs_onnxruntime
+@pytest.mark.parametrize("key_major", [False, True], ids=["whole-graph", "split"])
+@torch.inference_mode()
+def test_onnx_runtime_exported_from_a_fresh_model_reads_every_weight_loaded_later(key_major: bool) -> None:
+    """A fresh model's norm weights are all 1.0 when the graphs are exported at its first step: each must still be
+    its own input, so that a checkpoint loaded afterwards is read whole. RoPE's frequencies are bound like the
+    weights, so a replaced RoPE module is read too."""
+    cfg = tiny_config()
+    onnx = Decoder(cfg, device="cpu", runtime="onnx")
+    make = lambda m: ContiguousKVCache.for_model(m, 1, 8, key_major=key_major)  # noqa: E731
+    onnx.decode_step(torch.tensor([3]), make(onnx))
+    eager, _ = pair(cfg)
+    onnx.load_state_dict(eager.state_dict())
+    tokens = torch.tensor([[5, 17, 3, 99, 42, 7]])
+    assert decode_both(eager, onnx, make, tokens, 2) == 4
+    for model in (eager, onnx):
+        model.rope = RotaryEmbedding(cfg.head_dim, 500.0)
+    assert decode_both(eager, onnx, make, tokens, 2) == 4
+
+
+@needs_onnxruntime
+@torch.inference_mode()
+def test_onnx_runtime_in_one_graph_refuses_a_cache_of_another_shape_and_keeps_its_own() -> None:
+    eager, onnx = pair(tiny_config())
+    caches = [m.new_cache(1, 12) for m in (eager, onnx)]
+
+    def step(t: int) -> None:
+        want, got = (m.decode_step(torch.tensor([t]), c) for m, c in zip((eager, onnx), caches, strict=True))
+        torch.testing.assert_close(got, want, **TOL)
+
+    step(3)
+    plan = onnx._onnx_step.plans[1, torch.get_num_threads()]
+    other = ContiguousKVCache(replace(caches[1].shape, n_layers=1), 1, 12, key_major=False)
+    with pytest.raises(ValueError, match=r"cache: n_layers=1, but the model has n_layers=2; allowed: a cache of"):
+        onnx.decode_step(torch.tensor([4]), other)
+    assert other.length == 0
+    step(5)
+    assert onnx._onnx_step.plans[1, torch.get_num_threads()] is plan  # bound once, not again at every step
+    del onnx.layers[1]
+    with pytest.raises(ValueError, match=r"1 layers where its config names n_layers=2; allowed: the layers"):
+        onnx.decode_step(torch.tensor([6]), caches[1])
+
+
+@needs_onnxruntime
+@torch.inference_mode()
+def test_onnx_runtime_in_one_graph_gives_back_the_slot_of_a_step_that_failed(monkeypatch) -> None:
+    import onnxruntime
+
+    model = Decoder(tiny_config(), device="cpu", runtime="onnx")
+    cache = model.new_cache(1, 8)
+    model.decode_step(torch.tensor([1]), cache)
+
+    def fail(*_):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(onnxruntime.InferenceSession, "run_with_iobinding", fail)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        model.decode_step(torch.tensor([2]), cache)
+    assert cache.length == 1
+
+
+@needs_onnxruntime
+def test_onnx_runtime_takes_head_dims_its_attention_does_not_on_the_split_path(capfd) -> None:
+    """ONNX Runtime's CPU GroupQueryAttention takes head dims that are multiples of 8: for others ``new_cache``
+    keeps keys key-major, and the step runs the split graphs, silently (stderr zeroes a graded cell)."""
+    eager, onnx = pair(tiny_config(d_model=48, n_heads=4, n_kv_heads=2))  # head_dim 12
+    assert onnx.new_cache(1, 8).key_major
+    tokens = torch.randint(0, 101, (1, 8), generator=torch.Generator().manual_seed(3))
+    assert decode_both(eager, onnx, lambda m: m.new_cache(1, 8), tokens, 3) == 5
+    assert capfd.readouterr().err == ""
 
 
 @needs_onnxruntime

@@ -23,7 +23,7 @@ from kvlab.machine.device import resolve_device
 from kvlab.model.attention import Attention
 from kvlab.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from kvlab.model.mla import MLAAttention
-from kvlab.model.onnx_step import RUNTIMES, OnnxStep
+from kvlab.model.onnx_step import RUNTIMES, OnnxStep, one_graph_covers
 from kvlab.model.weights import WEIGHT_DTYPES, WeightFormat
 from kvlab.spec.config import ModelConfig
 from kvlab.spec.dtypes import KV_DTYPES, canonical_dtype, to_torch
@@ -110,9 +110,9 @@ class Decoder(nn.Module):
 
     @property
     def runtime(self) -> str:
-        """What runs ``decode_step``: ``"eager"`` (PyTorch, every model and device) or ``"onnx"`` (ONNX Runtime for
-        each layer's dense parts, attention on the cache: ``kvlab.model.onnx_step``). Settable, e.g. after loading a
-        checkpoint."""
+        """What runs ``decode_step``: ``"eager"`` (PyTorch, every model and device) or ``"onnx"`` (ONNX Runtime: the
+        whole step as one graph on the cache ``new_cache`` makes, the dense parts around the cache's own attention on
+        any other; ``kvlab.model.onnx_step``). Settable, e.g. after loading a checkpoint."""
         return "eager" if self._onnx_step is None else "onnx"
 
     @runtime.setter
@@ -150,7 +150,8 @@ class Decoder(nn.Module):
         ``kv_dtype`` (default: the model's dtype) is the codec, any of ``kvlab.spec.dtypes.KV_DTYPES``. The storage
         follows the model: MLA's latent slab for an MLA model; a window cache when some layers are local (they
         keep only their window, the global ones everything); a contiguous slab otherwise, its keys token-major under
-        ``runtime="onnx"`` (the layout whose decode step runs as one graph: ``kvlab.model.onnx_step``).
+        ``runtime="onnx"`` in fp32 where one graph covers the model (``kvlab.model.onnx_step.one_graph_covers``): the
+        layout whose decode step runs as one graph.
         """
         cfg = self.cfg
         capacity = cfg.max_seq_len if capacity is None else capacity
@@ -165,8 +166,8 @@ class Decoder(nn.Module):
             return LatentKVCache.for_model(self, batch_size, capacity, codec=codec)
         if local:
             return WindowKVCache.for_model(self, batch_size, capacity, window=cfg.layer_windows, codec=codec)
-        key_major = self.runtime == "eager" or codec != "fp32"
-        return ContiguousKVCache.for_model(self, batch_size, capacity, codec=codec, key_major=key_major)
+        one_graph = self.runtime == "onnx" and codec == "fp32" and one_graph_covers(cfg)
+        return ContiguousKVCache.for_model(self, batch_size, capacity, codec=codec, key_major=not one_graph)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         h = self.norm(h)

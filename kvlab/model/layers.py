@@ -56,9 +56,7 @@ class RotaryEmbedding(nn.Module):
         ``sin``'s first half is negated: rotate-half's sign, folded in here once per step so that ``apply_rope``
         rotates with one ``roll`` per layer instead of a split, a negation and a concatenation.
         """
-        freqs = positions.float()[..., None] * self.inv_freq
-        angles = torch.cat((freqs, freqs), dim=-1)[..., None, :]
-        return angles.cos(), angles.sin() * self.sign
+        return rope_angles(positions, self.inv_freq, self.sign)
 
     def span(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward`` at positions ``start .. start+n-1``: ``cos``, ``sin`` ``[n, 1, D]``, views of a table.
@@ -74,6 +72,16 @@ class RotaryEmbedding(nn.Module):
             with torch.inference_mode(False):
                 self._cos, self._sin = self(torch.arange(size, device=self.inv_freq.device))
         return self._cos[start:end], self._sin[start:end]
+
+
+def rope_angles(
+    positions: torch.Tensor, inv_freq: torch.Tensor, sign: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``RotaryEmbedding.forward`` with its buffers passed in (``kvlab.model.onnx_step`` binds them as graph inputs,
+    so a graph reads the model's frequencies as they are, not as they were when it was exported)."""
+    freqs = positions.float()[..., None] * inv_freq
+    angles = torch.cat((freqs, freqs), dim=-1)[..., None, :]
+    return angles.cos(), angles.sin() * sign
 
 
 def _llama3_frequencies(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:

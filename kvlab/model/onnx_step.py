@@ -41,6 +41,7 @@ from torch.nn.modules import module as module_hooks
 
 from kvlab.cache.base import KVCache
 from kvlab.cache.storage.slab import ContiguousKVCache
+from kvlab.model.layers import rope_angles
 
 # ``model`` below is a ``kvlab.model.decoder.Decoder``, which imports this module: typed as the nn.Module it is.
 
@@ -68,6 +69,11 @@ def _model_problem(model: nn.Module) -> str | None:
         return f"a {model.torch_dtype} model; allowed: an fp32 model (ModelConfig dtype='fp32', or model.float())"
     if model.device.type != "cpu":
         return f"a model on {model.device}; allowed: the CPU (model.to('cpu'), or model.runtime = 'eager')"
+    if len(model.layers) != model.cfg.n_layers:
+        return (
+            f"a model with {len(model.layers)} layers where its config names n_layers={model.cfg.n_layers}; allowed: "
+            "the layers its config names (or model.runtime = 'eager')"
+        )
     return None
 
 
@@ -123,6 +129,8 @@ class _Graph:
         """``fn(module, *inputs.values())`` -> ``outputs``, traced on ``inputs``. ``free``: the axes left free, by
         input or output name (default: the batch, axis 0, of every one). ``opsets``: the operator domains beyond
         ONNX's own that ``fn`` exports to, with their versions (the exporter warns, on stderr, of one unused)."""
+        import onnx
+
         buffer = io.BytesIO()
         # Traced on one sequence: one row never takes WeightFormat's column blocks, so every product is exported as
         # a plain MatMul, and the batch is then left free (dynamic_axes).
@@ -145,6 +153,9 @@ class _Graph:
                 input_names=list(inputs),
                 output_names=outputs,
                 dynamic_axes=free,
+                # Otherwise the exporter merges parameters that are equal when it traces (every norm weight of a
+                # fresh model is 1.0) into one input, and the others are never read again.
+                keep_initializers_as_inputs=True,
                 custom_opsets=opsets,
                 **_TRACED,
             )
@@ -152,7 +163,8 @@ class _Graph:
             m.training = training
         self.onnx = buffer.getvalue()
         self.sessions: dict[int, object] = {}  # onnxruntime.InferenceSession by thread count
-        self.parameters = [i.name.removeprefix("m.") for i in self.session(1).get_inputs() if i.name not in inputs]
+        names = [i.name for i in onnx.load_from_string(self.onnx).graph.input]
+        self.parameters = [name.removeprefix("m.") for name in names if name not in inputs]
 
     def session(self, threads: int):
         """An ONNX Runtime session of this graph on ``threads`` threads (the caller's and ``threads - 1`` of its own),
@@ -167,6 +179,8 @@ class _Graph:
             options = onnxruntime.SessionOptions()
             options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
             options.add_session_config_entry("session.force_spinning_stop", "1")
+            # Errors still raise; ONNX Runtime's own log lines would go to stderr, which zeroes a graded cell.
+            options.log_severity_level = 4
             self.sessions[threads] = onnxruntime.InferenceSession(
                 self.onnx, options, providers=["CPUExecutionProvider"]
             )
@@ -184,7 +198,7 @@ class _Graph:
         parameters."""
         session = self.session(threads)
         binding = session.io_binding()
-        params = {f"m.{name}": _state(module, name).detach() for name in self.parameters}
+        params = {f"m.{name}": module.get_parameter(name).detach() for name in self.parameters}
         for name, t in (activations | params).items():
             bind_input(binding, name, t)
         for name, t in outputs.items():
@@ -218,14 +232,6 @@ def _address(t: torch.Tensor, name: str) -> int:
     return t.data_ptr()
 
 
-def _state(module: nn.Module, name: str) -> torch.Tensor:
-    """The parameter, or else the buffer (RoPE's frequencies), that ``name`` names in ``module``."""
-    try:
-        return module.get_parameter(name)
-    except AttributeError:
-        return module.get_buffer(name)
-
-
 class _GroupQueryAttention(torch.autograd.Function):
     """ONNX Runtime's ``GroupQueryAttention`` (domain ``com.microsoft``) as the exporter sees it.
 
@@ -256,13 +262,14 @@ class _GroupQueryAttention(torch.autograd.Function):
         return outputs
 
 
-def _whole_step(model: nn.Module, tokens, seqlens, *slabs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _whole_step(model: nn.Module, tokens, seqlens, inv_freq, sign, *slabs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The decode step of ``tokens`` ``[B, 1]`` at positions ``seqlens`` ``[B]``, every layer and the head, attention
     through ``_GroupQueryAttention`` on ``slabs`` (each layer's keys, then values) -> the logits, then each slab as
-    written. The embedding and RoPE's angles are in the graph too, so a step runs no PyTorch operation around it."""
+    written. The embedding and RoPE's angles (from the model's ``inv_freq`` and ``sign``, bound like its weights) are
+    in the graph too, so a step runs no PyTorch operation around it."""
     cfg, written = model.cfg, []
     total = seqlens.max() + 1
-    cos, sin = model.rope(seqlens.long()[:, None])
+    cos, sin = rope_angles(seqlens.long()[:, None], inv_freq, sign)
     x = model.embed(tokens)
     for block, keys, values in zip(model.layers, slabs[::2], slabs[1::2], strict=True):
         q, k, v = block.before_attention(x, cos, sin)
@@ -282,15 +289,21 @@ def _whole_step(model: nn.Module, tokens, seqlens, *slabs: torch.Tensor) -> tupl
     return model._logits(x), *written
 
 
+def one_graph_covers(cfg) -> bool:
+    """Whether a decode step of a model built from ``cfg`` can run as one graph: ONNX Runtime's CPU
+    ``GroupQueryAttention`` takes head dims that are multiples of 8, and no sliding-window layer."""
+    return cfg.head_dim % 8 == 0 and not any(cfg.layer_windows or ())
+
+
 def _reads_in_place(model: nn.Module, cache: KVCache) -> bool:
     """Whether a step of ``model`` on ``cache`` runs as one graph, attention included: a ``ContiguousKVCache`` of fp32
-    with keys token-major (``key_major=False``, what ``Decoder.new_cache`` makes under ``runtime="onnx"``), and no
-    sliding-window layer. On every other cache, the cache's own attention runs between the graphs."""
+    with keys token-major (``key_major=False``, what ``Decoder.new_cache`` makes under ``runtime="onnx"`` where
+    ``one_graph_covers`` the model). On every other cache, the cache's own attention runs between the graphs."""
     return (
         type(cache) is ContiguousKVCache
         and not cache.key_major
         and cache.codec == "fp32"
-        and not any(model.cfg.layer_windows or ())
+        and one_graph_covers(model.cfg)
     )
 
 
@@ -346,11 +359,13 @@ class _WholePlan:
     cache."""
 
     def __init__(self, step: OnnxStep, batch: int, threads: int) -> None:
-        cfg = step.model.cfg
+        model = step.model
         self.tokens, self.seqlens = torch.zeros(batch, 1, dtype=torch.long), torch.zeros(batch, dtype=torch.int32)
-        self.logits_shape = (batch, 1, cfg.vocab_size)
-        activations = {"tokens": self.tokens, "seqlens": self.seqlens}
-        self.session, self.binding, self.weights = step.whole.bind(step.model, activations, {}, threads)
+        self.logits_shape = (batch, 1, model.cfg.vocab_size)
+        rope = model.rope
+        activations = {"tokens": self.tokens, "seqlens": self.seqlens, "inv_freq": rope.inv_freq, "sign": rope.sign}
+        self.session, self.binding, self.weights = step.whole.bind(model, activations, {}, threads)
+        self.weights += [rope.inv_freq, rope.sign]
         self.cache: weakref.ref[KVCache] | None = None  # the cache whose slabs are bound
 
     def run(self, step: OnnxStep, tokens: torch.Tensor, cache: ContiguousKVCache, logits: torch.Tensor) -> None:
@@ -360,15 +375,34 @@ class _WholePlan:
         and data evicted by the weights' stream, and took about 0.5 ms a step where it took 0.1 in a loop of its own
         (docs/cpu_performance.md, section I)."""
         if self.cache is None or self.cache() is not cache:
-            for layer in range(len(step.model.layers)):
+            _check_cache(step.model, cache)
+            self.cache = None  # all of a cache's slabs are bound, or none is used
+            for layer in range(cache.shape.n_layers):
                 for name, slab in zip(_slab_names(layer), cache.slabs(layer), strict=True):
                     bind_input(self.binding, name, slab)
                     bind_output(self.binding, f"{name}.written", slab)
             self.cache = weakref.ref(cache)
-        self.seqlens.fill_(cache.reserve(1))  # the slot each sequence's new token takes: its position
+        start = cache.reserve(1)
+        self.seqlens.fill_(start)  # the slot each sequence's new token takes: its position
         self.tokens.copy_(tokens)
         bind_output(self.binding, "logits", logits)
-        self.session.run_with_iobinding(self.binding)
+        try:
+            self.session.run_with_iobinding(self.binding)
+        except Exception:
+            cache.truncate(start)  # the step did not happen: its slot is not the cache's
+            raise
+
+
+def _check_cache(model: nn.Module, cache: ContiguousKVCache) -> None:
+    """Refuse, naming the field, a cache whose slabs do not have the shape the model's graph reads and writes."""
+    cfg, shape = model.cfg, cache.shape
+    want = {"n_layers": cfg.n_layers, "n_kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim}
+    for field, n in want.items():
+        if getattr(shape, field) != n:
+            raise ValueError(
+                f"cache: {field}={getattr(shape, field)}, but the model has {field}={n}; allowed: a cache of this "
+                "model's shape (model.new_cache)"
+            )
 
 
 def _slab_names(layer: int) -> tuple[str, str]:
@@ -379,14 +413,14 @@ class OnnxStep:
     """``model``'s decode step with its dense parts in ONNX Runtime (see the module docstring). ``step(tokens [B, 1],
     cache)`` -> logits ``[B, vocab]``, as ``Decoder.decode_step``.
 
-    On a cache that ``_reads_in_place``, the whole step is one graph, exported at its first such step (about 1 s):
-    ONNX Runtime's ``GroupQueryAttention`` writes and reads the cache's slabs where they are. On any other cache, two
-    graphs per layer (exported when the step is built, about 0.5 s) run around the cache's own attention.
+    Each graph is exported at the first step that needs it: the whole step (about 1 s on cpu-small) on a cache that
+    ``_reads_in_place``, where ONNX Runtime's ``GroupQueryAttention`` writes and reads the cache's slabs where they
+    are; the two halves of a layer and the head (about 0.5 s) on any other cache, around the cache's own attention.
 
     Each batch size gets its buffers and bindings at its first step; all are bound again when a parameter moved to
-    new memory (``.data =``) or any module registered a new parameter or submodule (``load_state_dict(assign=True)``,
-    a replaced layer). Steps run one at a time: a lock serialises threads that share the model, since every step at
-    one batch size writes the same buffers.
+    new memory (``.data =``), any module registered a new parameter or submodule (``load_state_dict(assign=True)``,
+    a replaced layer or RoPE). Steps run one at a time: a lock serialises threads that share
+    the model, since every step at one batch size writes the same buffers.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -395,37 +429,58 @@ class OnnxStep:
             raise ValueError(f"runtime: 'onnx' for {reason}")
         _install_hooks()
         self.model = model
-        cfg = model.cfg
-        block = type(model.layers[0])
-        # Distinct example tensors: the tracer tells inputs apart by identity.
-        d = cfg.head_dim
-        x, cos, sin = torch.zeros(1, 1, cfg.d_model), torch.ones(1, 1, 1, d), torch.zeros(1, 1, 1, d)
-        with torch.no_grad():
-            q, _, _ = model.layers[0].before_attention(x, cos, sin)
-            self.before = _Graph(
-                model.layers[0], block.before_attention, {"x": x, "cos": cos, "sin": sin}, ["q", "k", "v"]
-            )
-            attended = torch.zeros_like(q)
-            self.after = _Graph(model.layers[0], block.after_attention, {"x": x, "attended": attended}, ["y"])
-            self.head = _Graph(model, type(model)._logits, {"x": x}, ["logits"])
-        self._whole: _Graph | None = None
+        self.graphs: dict[str, _Graph] = {}
         self.lock = threading.Lock()
         self._forget_plans()
 
     @property
+    def before(self) -> _Graph:
+        return self._graph("before")
+
+    @property
+    def after(self) -> _Graph:
+        return self._graph("after")
+
+    @property
+    def head(self) -> _Graph:
+        return self._graph("head")
+
+    @property
     def whole(self) -> _Graph:
-        """The whole-step graph, exported at first use."""
-        if self._whole is None:
-            cfg = self.model.cfg
+        return self._graph("whole")
+
+    def _graph(self, name: str) -> _Graph:
+        """The graph ``name``, exported at first use from the model's own modules."""
+        if name not in self.graphs:
+            model, cfg = self.model, self.model.cfg
             d, hkv = cfg.head_dim, cfg.n_kv_heads
-            inputs = {"tokens": torch.zeros(1, 1, dtype=torch.long), "seqlens": torch.zeros(1, dtype=torch.int32)}
-            slabs = {name: torch.zeros(1, hkv, 2, d) for i in range(cfg.n_layers) for name in _slab_names(i)}
-            outputs = ["logits", *(f"{name}.written" for name in slabs)]
-            free = {name: {0: "batch"} for name in ["tokens", "seqlens", "logits"]}
-            free |= {name: {0: "batch", 2: "capacity"} for name in outputs[1:] + list(slabs)}
+            # Distinct example tensors: the tracer tells inputs apart by identity.
+            x, cos, sin = torch.zeros(1, 1, cfg.d_model), torch.ones(1, 1, 1, d), torch.zeros(1, 1, 1, d)
+            block, kind = model.layers[0], type(model.layers[0])
             with torch.no_grad():
-                self._whole = _Graph(self.model, _whole_step, inputs | slabs, outputs, free, {"com.microsoft": 1})
-        return self._whole
+                if name == "before":
+                    graph = _Graph(block, kind.before_attention, {"x": x, "cos": cos, "sin": sin}, ["q", "k", "v"])
+                elif name == "after":
+                    attended = torch.zeros_like(block.before_attention(x, cos, sin)[0])
+                    graph = _Graph(block, kind.after_attention, {"x": x, "attended": attended}, ["y"])
+                elif name == "head":
+                    graph = _Graph(model, type(model)._logits, {"x": x}, ["logits"])
+                else:
+                    inputs = {
+                        "tokens": torch.zeros(1, 1, dtype=torch.long),
+                        "seqlens": torch.zeros(1, dtype=torch.int32),
+                        "inv_freq": model.rope.inv_freq.clone(),
+                        "sign": model.rope.sign.clone(),
+                    }
+                    slabs = {n: torch.zeros(1, hkv, 2, d) for i in range(cfg.n_layers) for n in _slab_names(i)}
+                    outputs = ["logits", *(f"{n}.written" for n in slabs)]
+                    free = {n: {0: "batch"} for n in ["tokens", "seqlens", "logits"]}
+                    free |= {n: {0: "batch", 2: "capacity"} for n in [*outputs[1:], *slabs]}
+                    graph = _Graph(model, _whole_step, inputs | slabs, outputs, free, {"com.microsoft": 1})
+            self.graphs[name] = graph
+            # The export wraps the model in a module of its own, which counts as a registration: not a change.
+            self.registrations = _registrations
+        return self.graphs[name]
 
     def _forget_plans(self) -> None:
         self.plans: dict[tuple[int, int], _Plan | _WholePlan] = {}  # by batch and threads (0: the split graphs)
@@ -440,13 +495,17 @@ class OnnxStep:
     def _addresses(self) -> list[int]:
         return [holder[name].data_ptr() for holder, name in self.holders]
 
+    def _stale(self) -> bool:
+        """Whether a binding may point at memory the model no longer reads."""
+        return self.registrations != _registrations or self._addresses() != self.addresses
+
     def __call__(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         model = self.model
         reason = _model_problem(model)
         if reason is not None:  # the model was moved or cast after it was built
             raise ValueError(f"runtime: 'onnx' for {reason}")
         with self.lock:
-            if self.registrations != _registrations or self._addresses() != self.addresses:
+            if self._stale():
                 self._forget_plans()
             # The whole-step graph runs on as many threads as PyTorch has now; the split graphs on one.
             batch, threads = tokens.shape[0], torch.get_num_threads() if _reads_in_place(model, cache) else 0

@@ -29,9 +29,9 @@ def _slabs(
     and the bytes one token of one layer stores."""
     lead = (batch_size, shape.n_kv_heads)
 
-    def stores(key_major: bool) -> list[Store]:
+    def stores(major: bool) -> list[Store]:
         return [
-            make_store(codec, lead, capacity, shape.head_dim, shape.torch_dtype, shape.device, key_major, group_size)
+            make_store(codec, lead, capacity, shape.head_dim, shape.torch_dtype, shape.device, major, group_size)
             for _ in range(shape.n_layers)
         ]
 
