@@ -174,7 +174,7 @@ class Decoder(nn.Module):
         return self.weights.matmul(h, self.embed.weight.T if self.lm_head is None else self.lm_head)
 
     def _run(self, tokens: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
-        tokens = self._check_tokens(tokens, cache)
+        tokens = self._check_tokens(torch.as_tensor(tokens, device=self.device), cache)
         n = tokens.shape[1]
         cos, sin = self.angles(0 if cache is None else cache.reserve(n), n)
         h = self.embed(tokens)
@@ -194,7 +194,8 @@ class Decoder(nn.Module):
         return cos.to(self.torch_dtype), sin.to(self.torch_dtype)
 
     def _check_tokens(self, tokens: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
-        tokens = torch.as_tensor(tokens, device=self.device)
+        """``tokens`` (a tensor on the model's device), refused unless ``[B, T]`` ids in the vocabulary, B the
+        cache's."""
         if tokens.dim() != 2 or tokens.shape[1] == 0:
             raise ValueError(f"tokens: shape {tuple(tokens.shape)}; allowed: [batch, time] with time >= 1")
         if cache is not None and tokens.shape[0] != cache.batch_size:

@@ -496,16 +496,23 @@ class OnnxStep:
         return [holder[name].data_ptr() for holder, name in self.holders]
 
     def _stale(self) -> bool:
-        """Whether a binding may point at memory the model no longer reads."""
-        return self.registrations != _registrations or self._addresses() != self.addresses
+        """Whether a binding may point at memory the model no longer reads: a cast or a move changes every address,
+        and ``del model.layers[i]`` registers nothing. Checked at every step, so kept cheap: the checks before a
+        run find their code and data evicted by the previous run's weights, and cost several times what they
+        cost in a loop of their own (docs/cpu_performance.md, section I)."""
+        return (
+            self.registrations != _registrations
+            or len(self.model.layers) != self.model.cfg.n_layers
+            or self._addresses() != self.addresses
+        )
 
     def __call__(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         model = self.model
-        reason = _model_problem(model)
-        if reason is not None:  # the model was moved or cast after it was built
-            raise ValueError(f"runtime: 'onnx' for {reason}")
         with self.lock:
             if self._stale():
+                reason = _model_problem(model)
+                if reason is not None:  # the model was moved or cast after it was built
+                    raise ValueError(f"runtime: 'onnx' for {reason}")
                 self._forget_plans()
             # The whole-step graph runs on as many threads as PyTorch has now; the split graphs on one.
             batch, threads = tokens.shape[0], torch.get_num_threads() if _reads_in_place(model, cache) else 0
