@@ -377,6 +377,8 @@ def measure_sweep(
         cfg = cfg.replace(max_seq_len=capacity)
     if runtime == "onnx" and device is None:
         device = "cpu"  # ONNX Runtime's CPU provider: not CUDA, even where it is present
+    if runtime == "onnx":
+        _check_runtime(runtime, cfg, device)
     if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device: {device}, but this torch has no CUDA device; allowed: cpu")
     try:
@@ -388,8 +390,25 @@ def measure_sweep(
     return cfg, sweep
 
 
+def _check_runtime(runtime: str, cfg: ModelConfig, device) -> None:
+    """Refuse ``--runtime onnx`` for a model it cannot run, in the command line's terms: before a model is built."""
+    import torch
+
+    if runtime == "onnx" and cfg.dtype != "fp32":
+        fp32 = ", ".join(name for name, c in model_presets().items() if c.runnable and c.dtype == "fp32")
+        raise UsageError(
+            f"--runtime: onnx runs fp32 models, and {cfg.name} is {cfg.dtype}; allowed: --runtime eager, or an fp32 "
+            f"model ({fp32})"
+        )
+    if runtime == "onnx" and torch.device(device).type != "cpu":
+        raise UsageError(
+            f"--runtime: onnx runs on the CPU, and the model is on {device}; allowed: --device cpu, or --runtime eager"
+        )
+
+
 def _set_runtime(model, runtime: str) -> None:
     """``model.runtime = runtime``, with a refusal (an unknown name, a model it cannot run) as ``--runtime``'s."""
+    _check_runtime(runtime, model.cfg, model.device)
     try:
         model.runtime = runtime
     except ValueError as e:
@@ -410,6 +429,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise UsageError(f"{flag}: only with --endpoint URL (it measures a server, not this machine)")
     import torch
 
+    from kvlab.model.onnx_step import one_graph_covers
+
     contexts = _contexts(args)
     if args.fill not in ("fast", "prefill"):
         raise UsageError(f"--fill: {args.fill!r}; allowed: fast, prefill")
@@ -429,9 +450,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     bw = sweep.bandwidth
     n_threads = torch.get_num_threads()
+    engine = f"runtime {sweep.runtime}"
+    if sweep.runtime == "onnx":
+        engine += " (one graph a step)" if one_graph_covers(cfg) else " (two graphs a layer, attention between)"
     print(
-        f"{cfg.name} on {sweep.device}, batch {batch}, {n_threads} thread{'s' * (n_threads > 1)}, "
-        f"runtime {sweep.runtime}; "
+        f"{cfg.name} ({cfg.dtype}) on {sweep.device}, batch {batch}, {n_threads} thread{'s' * (n_threads > 1)}, "
+        f"{engine}; "
         f"measured copy {bw.copy_gbps:.1f} GB/s, read {bw.read_gbps:.1f} GB/s"
     )
     print(f"{'context':>8}  {'TPOT ms':>8}  {'p99 ms':>8}  {'predicted ms':>12}")

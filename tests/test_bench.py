@@ -165,7 +165,7 @@ def test_bench_measures_the_onnx_runtime(tmp_path):
     cmd += ["onnx", "--tokens", "3", "--requests", "1", "--threads", "1", "--json", str(tmp_path / "b.json")]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert "runtime onnx" in result.stdout and "fit:" in result.stdout, result.stdout
+    assert "runtime onnx (one graph a step)" in result.stdout and "fit:" in result.stdout, result.stdout
     assert json.loads((tmp_path / "b.json").read_text())["runtime"] == "onnx"  # what the sweep's model ran
 
 

@@ -219,6 +219,8 @@ def test_predict_reads_a_hugging_face_config(tmp_path, capsys):
         (["bench", "--preset", "mixtral-8x7b"], ["--preset", "cannot run yet", "mixture-of-experts"]),
         (["bench", "--fill", "slow"], ["--fill", "prefill"]),
         (["bench", "--runtime", "fast"], ["--runtime", "allowed: 'eager', 'onnx'"]),
+        (["bench", "--preset", "smollm2-135m", "--runtime", "onnx"], ["--runtime", "is bf16", "cpu-small"]),
+        (["bench", "--runtime", "onnx", "--device", "meta"], ["--runtime", "on meta", "--device cpu"]),
         (["bench", "--endpoint", "http://127.0.0.1:9/v1", "--runtime", "onnx"], ["--runtime", "without --endpoint"]),
         (["frobnicate"], ["predict", "bench"]),
     ],

@@ -420,6 +420,18 @@ def test_onnx_runtime_refuses_what_it_does_not_cover(build, match) -> None:
 
 
 @needs_onnxruntime
+@pytest.mark.parametrize("tokens", [torch.tensor([1.7]), torch.tensor([True])], ids=["float", "bool"])
+@pytest.mark.parametrize("runtime", ["eager", "onnx"])
+def test_a_decode_step_refuses_token_ids_that_are_not_integers(tokens, runtime) -> None:
+    """ONNX Runtime's embedding would read 1.7 as token 1: both runtimes refuse, by name."""
+    model = Decoder(tiny_config(), device="cpu", runtime=runtime)
+    cache = model.new_cache(1, 4)
+    with pytest.raises(ValueError, match=r"tokens: dtype torch\.(float32|bool); allowed: integer token ids"):
+        model.decode_step(tokens, cache)
+    assert cache.length == 0
+
+
+@needs_onnxruntime
 def test_onnx_runtime_refuses_a_model_cast_or_moved_after_it_was_built() -> None:
     model = Decoder(tiny_config(), device="cpu", runtime="onnx")
     model.double()

@@ -198,6 +198,9 @@ class Decoder(nn.Module):
         cache's."""
         if tokens.dim() != 2 or tokens.shape[1] == 0:
             raise ValueError(f"tokens: shape {tuple(tokens.shape)}; allowed: [batch, time] with time >= 1")
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            # ONNX Runtime's embedding would take 1.7 as token 1
+            raise ValueError(f"tokens: dtype {tokens.dtype}; allowed: integer token ids")
         if cache is not None and tokens.shape[0] != cache.batch_size:
             raise ValueError(f"tokens: batch {tokens.shape[0]} but the cache holds {cache.batch_size} sequences")
         if tokens.device.type != "cpu":

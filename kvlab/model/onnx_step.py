@@ -12,7 +12,7 @@ parameters by address (no copy), so weights edited or loaded in place are read a
   fp32 whose keys are token-major, ``[B, Hkv, capacity, D]`` like its values. That is the layout ONNX Runtime's
   ``GroupQueryAttention`` operator reads and writes in place, so the embedding, every layer with its attention, and
   the head run as one graph over the cache's own slabs, with no PyTorch operation between two steps' weight reads.
-  On that machine its zero-context step ran 20-30% faster than the eager one (section I).
+  On that machine its zero-context step ran 18-22% faster than the eager one at one thread (section I).
 - **Two graphs a layer**, on every other cache: each block is split at attention (``Block.before_attention`` and
   ``Block.after_attention``), and attention runs in between, in PyTorch, through the cache's own ``append`` and
   ``attend``. Every cache kvlab has (paged, windowed, quantized, heavy hitters, shared prefixes, key-major slabs)
@@ -66,7 +66,10 @@ def _model_problem(model: nn.Module) -> str | None:
     if model.weight_dtype != "fp32":
         return f"weight_dtype={model.weight_dtype!r}; allowed: 'fp32' (ONNX Runtime reads the fp32 parameters)"
     if model.torch_dtype != torch.float32:
-        return f"a {model.torch_dtype} model; allowed: an fp32 model (ModelConfig dtype='fp32', or model.float())"
+        return (
+            f"a {model.torch_dtype} model; allowed: an fp32 model (a config with dtype='fp32', e.g. "
+            "cfg.replace(dtype='fp32'), or kvlab.from_hf(path, dtype='fp32'))"
+        )
     if model.device.type != "cpu":
         return f"a model on {model.device}; allowed: the CPU (model.to('cpu'), or model.runtime = 'eager')"
     if len(model.layers) != model.cfg.n_layers:
@@ -114,8 +117,8 @@ _TRACED = {"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).
 
 
 class _Graph:
-    """One exported graph: an ONNX Runtime session, its activation inputs and outputs, and the parameters (by name in
-    the module it came from) that it reads."""
+    """One exported graph: its ONNX model, an ONNX Runtime session of it per thread count, and the parameters (by name
+    in the module it came from) that it reads besides its activation inputs."""
 
     def __init__(
         self,
@@ -413,7 +416,7 @@ class OnnxStep:
     """``model``'s decode step with its dense parts in ONNX Runtime (see the module docstring). ``step(tokens [B, 1],
     cache)`` -> logits ``[B, vocab]``, as ``Decoder.decode_step``.
 
-    Each graph is exported at the first step that needs it: the whole step (about 1 s on cpu-small) on a cache that
+    Each graph is exported at the first step that needs it: the whole step (about 2 s on cpu-small) on a cache that
     ``_reads_in_place``, where ONNX Runtime's ``GroupQueryAttention`` writes and reads the cache's slabs where they
     are; the two halves of a layer and the head (about 0.5 s) on any other cache, around the cache's own attention.
 
