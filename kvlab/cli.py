@@ -391,13 +391,15 @@ def measure_sweep(
 
 def _check_runtime(runtime: str, cfg: ModelConfig, device) -> None:
     """Refuse ``--runtime onnx`` for a model it cannot run, in the command line's terms: before a model is built."""
-    if runtime == "onnx" and cfg.dtype != "fp32":
+    if runtime != "onnx":
+        return
+    if cfg.dtype != "fp32":
         fp32 = ", ".join(name for name, c in model_presets().items() if c.runnable and c.dtype == "fp32")
         raise UsageError(
             f"--runtime: onnx runs fp32 models, and {cfg.name} is {cfg.dtype}; allowed: --runtime eager, or an fp32 "
             f"model ({fp32})"
         )
-    if runtime == "onnx" and str(device).split(":")[0] != "cpu":
+    if str(device).split(":")[0] != "cpu":
         raise UsageError(
             f"--runtime: onnx runs on the CPU, and the model is on {device}; allowed: --device cpu, or --runtime eager"
         )

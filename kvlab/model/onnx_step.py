@@ -27,6 +27,7 @@ they were exported, so hooks on them do not fire, and a module replaced by one o
 
 from __future__ import annotations
 
+import functools
 import inspect
 import io
 import threading
@@ -298,18 +299,6 @@ def one_graph_covers(cfg) -> bool:
     return cfg.head_dim % 8 == 0 and not any(cfg.layer_windows or ())
 
 
-def _reads_in_place(model: nn.Module, cache: KVCache) -> bool:
-    """Whether a step of ``model`` on ``cache`` runs as one graph, attention included: a ``ContiguousKVCache`` of fp32
-    with keys token-major (``key_major=False``, what ``Decoder.new_cache`` makes under ``runtime="onnx"`` where
-    ``one_graph_covers`` the model). On every other cache, the cache's own attention runs between the graphs."""
-    return (
-        type(cache) is ContiguousKVCache
-        and not cache.key_major
-        and cache.codec == "fp32"
-        and one_graph_covers(model.cfg)
-    )
-
-
 class _Plan:
     """The buffers and bindings of a step at one batch size, on a cache that attends by itself: built once, reused by
     every step at that size. Per layer, a graph before attention and one after it."""
@@ -358,8 +347,8 @@ class _Plan:
 
 class _WholePlan:
     """The buffers and binding of the whole-step graph at one batch size, on a cache it reads in place
-    (``_reads_in_place``), on ``threads`` threads. A cache's slabs are bound at its first step, and again for another
-    cache."""
+    (``OnnxStep._reads_in_place``), on ``threads`` threads. A cache's slabs are bound at its first step, and again
+    for another cache."""
 
     def __init__(self, step: OnnxStep, batch: int, threads: int) -> None:
         model = step.model
@@ -432,58 +421,59 @@ class OnnxStep:
             raise ValueError(f"runtime: 'onnx' for {reason}")
         _install_hooks()
         self.model = model
-        self.graphs: dict[str, _Graph] = {}
+        self.one_graph = one_graph_covers(model.cfg)  # the config is fixed: asked once, not at every step
         self.lock = threading.Lock()
         self._forget_plans()
 
-    @property
+    # Each graph is exported from the model's own modules at its first use.
+    @functools.cached_property
     def before(self) -> _Graph:
-        return self._graph("before")
+        x, cos, sin = self._examples()
+        block = self.model.layers[0]
+        return self._export(block, type(block).before_attention, {"x": x, "cos": cos, "sin": sin}, ["q", "k", "v"])
 
-    @property
+    @functools.cached_property
     def after(self) -> _Graph:
-        return self._graph("after")
+        x, cos, sin = self._examples()
+        block = self.model.layers[0]
+        with torch.no_grad():
+            attended = torch.zeros_like(block.before_attention(x, cos, sin)[0])
+        return self._export(block, type(block).after_attention, {"x": x, "attended": attended}, ["y"])
 
-    @property
+    @functools.cached_property
     def head(self) -> _Graph:
-        return self._graph("head")
+        return self._export(self.model, type(self.model)._logits, {"x": self._examples()[0]}, ["logits"])
 
-    @property
+    @functools.cached_property
     def whole(self) -> _Graph:
-        return self._graph("whole")
+        model, cfg = self.model, self.model.cfg
+        inputs = {
+            "tokens": torch.zeros(1, 1, dtype=torch.long),
+            "seqlens": torch.zeros(1, dtype=torch.int32),
+            "inv_freq": model.rope.inv_freq.clone(),
+            "sign": model.rope.sign.clone(),
+        }
+        slabs = {
+            n: torch.zeros(1, cfg.n_kv_heads, 2, cfg.head_dim) for i in range(cfg.n_layers) for n in _slab_names(i)
+        }
+        outputs = ["logits", *(f"{n}.written" for n in slabs)]
+        free = {n: {0: "batch"} for n in ["tokens", "seqlens", "logits"]}
+        free |= {n: {0: "batch", 2: "capacity"} for n in [*outputs[1:], *slabs]}
+        return self._export(model, _whole_step, inputs | slabs, outputs, free, {"com.microsoft": 1})
 
-    def _graph(self, name: str) -> _Graph:
-        """The graph ``name``, exported at first use from the model's own modules."""
-        if name not in self.graphs:
-            model, cfg = self.model, self.model.cfg
-            d, hkv = cfg.head_dim, cfg.n_kv_heads
-            # Distinct example tensors: the tracer tells inputs apart by identity.
-            x, cos, sin = torch.zeros(1, 1, cfg.d_model), torch.ones(1, 1, 1, d), torch.zeros(1, 1, 1, d)
-            block, kind = model.layers[0], type(model.layers[0])
-            with torch.no_grad():
-                if name == "before":
-                    graph = _Graph(block, kind.before_attention, {"x": x, "cos": cos, "sin": sin}, ["q", "k", "v"])
-                elif name == "after":
-                    attended = torch.zeros_like(block.before_attention(x, cos, sin)[0])
-                    graph = _Graph(block, kind.after_attention, {"x": x, "attended": attended}, ["y"])
-                elif name == "head":
-                    graph = _Graph(model, type(model)._logits, {"x": x}, ["logits"])
-                else:
-                    inputs = {
-                        "tokens": torch.zeros(1, 1, dtype=torch.long),
-                        "seqlens": torch.zeros(1, dtype=torch.int32),
-                        "inv_freq": model.rope.inv_freq.clone(),
-                        "sign": model.rope.sign.clone(),
-                    }
-                    slabs = {n: torch.zeros(1, hkv, 2, d) for i in range(cfg.n_layers) for n in _slab_names(i)}
-                    outputs = ["logits", *(f"{n}.written" for n in slabs)]
-                    free = {n: {0: "batch"} for n in ["tokens", "seqlens", "logits"]}
-                    free |= {n: {0: "batch", 2: "capacity"} for n in [*outputs[1:], *slabs]}
-                    graph = _Graph(model, _whole_step, inputs | slabs, outputs, free, {"com.microsoft": 1})
-            self.graphs[name] = graph
-            # The export wraps the model in a module of its own, which counts as a registration: not a change.
-            self.registrations = _registrations
-        return self.graphs[name]
+    def _examples(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Example residual stream, cos and sin for a trace: distinct tensors, since the tracer tells inputs apart by
+        identity."""
+        cfg = self.model.cfg
+        return torch.zeros(1, 1, cfg.d_model), torch.ones(1, 1, 1, cfg.head_dim), torch.zeros(1, 1, 1, cfg.head_dim)
+
+    def _export(self, *args) -> _Graph:
+        """``_Graph(*args)``, traced without autograd."""
+        with torch.no_grad():
+            graph = _Graph(*args)
+        # The export wraps the module in one of its own, which counts as a registration: not a change to the model.
+        self.registrations = _registrations
+        return graph
 
     def _forget_plans(self) -> None:
         self.plans: dict[tuple[int, int], _Plan | _WholePlan] = {}  # by batch and threads (0: the split graphs)
@@ -497,6 +487,12 @@ class OnnxStep:
 
     def _addresses(self) -> list[int]:
         return [holder[name].data_ptr() for holder, name in self.holders]
+
+    def _reads_in_place(self, cache: KVCache) -> bool:
+        """Whether a step on ``cache`` runs as one graph, attention included: a ``ContiguousKVCache`` of fp32 with keys
+        token-major (``key_major=False``, what ``Decoder.new_cache`` makes under ``runtime="onnx"`` where
+        ``one_graph_covers`` the model). On every other cache, the cache's own attention runs between the graphs."""
+        return self.one_graph and type(cache) is ContiguousKVCache and not cache.key_major and cache.codec == "fp32"
 
     def _stale(self) -> bool:
         """Whether a binding may point at memory the model no longer reads: a cast or a move changes every address,
@@ -518,7 +514,7 @@ class OnnxStep:
                     raise ValueError(f"runtime: 'onnx' for {reason}")
                 self._forget_plans()
             # The whole-step graph runs on as many threads as PyTorch has now; the split graphs on one.
-            batch, threads = tokens.shape[0], torch.get_num_threads() if _reads_in_place(model, cache) else 0
+            batch, threads = tokens.shape[0], torch.get_num_threads() if self._reads_in_place(cache) else 0
             plan = self.plans.get((batch, threads))
             if plan is None:
                 for name, p in model.named_parameters():  # before an export that would trace them
