@@ -378,15 +378,18 @@ def measure_sweep(
     if runtime == "onnx" and device is None:
         device = "cpu"  # ONNX Runtime's CPU provider: not CUDA, even where it is present
     _check_runtime(runtime, cfg, device)
-    if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device: {device}, but this torch has no CUDA device; allowed: cpu")
-    try:
-        model = Decoder(cfg, device=device)
-    except RuntimeError as e:
-        raise UsageError(f"--device: {e}") from None
+    model = Decoder(cfg, device=_device(device))
     _set_runtime(model, runtime)
     sweep = sweep_context(model, contexts, n_tokens=n_tokens, n_requests=n_requests, batch=batch, fill=fill)
     return cfg, sweep
+
+
+def _device(name: str | None):
+    """``--device`` as a torch device (None: CUDA if present); a name torch does not know, or a GPU this machine
+    lacks, is ``--device``'s error."""
+    from kvlab.machine.device import resolve_device
+
+    return _usage(resolve_device, name, "--device")
 
 
 def _check_runtime(runtime: str, cfg: ModelConfig, device) -> None:
@@ -681,8 +684,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     block_size = _positive_int(args.block_size, "--block-size")
     max_batch = _positive_int(args.max_batch, "--max-batch")
     max_waiting = _positive_int(args.max_waiting, "--max-waiting")
+    device = _device(args.device)
     try:
-        model, name, bos, eos = load_model(args.model, args.device)
+        model, name, bos, eos = load_model(args.model, device)
     except (ValueError, OSError, RuntimeError) as e:
         raise UsageError(f"--model: {args.model}: {e}") from None
     if args.runtime:

@@ -222,6 +222,9 @@ def test_predict_reads_a_hugging_face_config(tmp_path, capsys):
         (["bench", "--preset", "smollm2-135m", "--runtime", "onnx"], ["--runtime", "is bf16", "cpu-small"]),
         (["bench", "--runtime", "onnx", "--device", "meta"], ["--runtime", "on meta", "--device cpu"]),
         (["bench", "--endpoint", "http://127.0.0.1:9/v1", "--runtime", "onnx"], ["--runtime", "without --endpoint"]),
+        (["bench", "--device", "gpu"], ["--device", "'gpu' is not a device", "allowed: 'cpu'"]),
+        (["bench", "--device", "cuda:99"], ["--device", "'cuda:99'", "no such device", "allowed: 'cpu'"]),
+        (["serve", "--model", "cpu-tiny", "--device", "cuda:99"], ["--device", "'cuda:99'", "allowed: 'cpu'"]),
         (["frobnicate"], ["predict", "bench"]),
     ],
 )

@@ -182,6 +182,11 @@ def test_device_is_picked_automatically_and_can_be_overridden():
 
     assert Decoder(tiny_config()).device.type == default_device().type
     assert Decoder(tiny_config(), device="cpu").device.type == "cpu"
+    # A GPU this machine lacks is refused by name when the model is built, not at its first tensor.
+    with pytest.raises(ValueError, match=r"device: 'cuda:99', but torch .* finds no such device here; allowed: 'cpu'"):
+        Decoder(tiny_config(), device="cuda:99")
+    with pytest.raises(ValueError, match=r"device: 'gpu' is not a device; allowed: 'cpu'"):
+        Decoder(tiny_config(), device="gpu")
 
 
 def test_unrunnable_shapes_are_refused_with_the_reason():

@@ -16,8 +16,35 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    return default_device() if device is None else torch.device(device)
+def resolve_device(device: str | torch.device | None, name: str = "device") -> torch.device:
+    """The torch device ``device`` names (None: ``default_device()``). A name torch does not know, or a GPU this
+    machine lacks, raises ``ValueError`` naming ``name`` and the devices there are: torch's own error for a missing
+    GPU is a bare ``AssertionError`` at the first tensor, far from the argument that caused it."""
+    if device is None:
+        return default_device()
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{name}: {device!r} is not a device; allowed: {_devices_here()}") from None
+    index = resolved.index or 0
+    absent = (resolved.type == "cuda" and index >= torch.cuda.device_count()) or (
+        resolved.type == "mps" and (index > 0 or not torch.backends.mps.is_available())
+    )
+    if absent:
+        raise ValueError(
+            f"{name}: {device!r}, but torch {torch.__version__} finds no such device here; allowed: {_devices_here()}"
+        )
+    return resolved
+
+
+def _devices_here() -> str:
+    names = ["'cpu'"]
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        names.append("'cuda'" + (f" ('cuda:0' to 'cuda:{n - 1}')" if n > 1 else ""))
+    if torch.backends.mps.is_available():
+        names.append("'mps'")
+    return ", ".join(names)
 
 
 def synchronize(device: torch.device) -> None:
