@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -469,7 +470,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         print(
             f"fit: {s['slope_us_per_token']:.3f} us/token (predicted {s['predicted_slope_us_per_token']:.3f}), "
-            f"intercept {s['intercept_ms']:.2f} ms (predicted {s['predicted_intercept_ms']:.2f}), R^2 {s['r2']:.4f}"
+            f"intercept {s['intercept_ms']:.2f} ms (predicted {s['predicted_intercept_ms']:.2f}), "
+            + (
+                f"R^2 {s['r2']:.4f}"
+                if len(sweep.points) > 2
+                else "R^2 n/a (a line through two points fits them exactly)"
+            )
         )
         print(
             f"bandwidth each term reached, as a share of the {bw.read_gbps:.1f} GB/s read (predicted over fitted): "
@@ -717,18 +723,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_models(args: argparse.Namespace) -> int:
     print(
-        f"{'name':<16} {'attention':<9} {'layers':>6} {'d_model':>7} {'heads':>5} {'kv':>4} {'params':>9} "
+        f"{'name':<16} {'attention':<9} {'layers':>6} {'d_model':>7} {'heads':>5} {'kv':>4} {'dtype':>5} {'params':>9} "
         f"{'active':>8} {'max ctx':>8} {'KV/token bf16':>14}  runnable"
     )
-    for name, c in {**model_presets(), **draft_presets()}.items():
+    presets = {**model_presets(), **draft_presets()}
+    mixed = [name for name, c in presets.items() if c.weight_dtypes]
+    for name, c in presets.items():
         kv = "-" if c.mla else c.n_kv_heads
         runnable = "yes" if c.runnable else "no: " + c.not_runnable_reason
         print(
-            f"{name:<16} {c.attention_kind:<9} {c.n_layers:>6} {c.d_model:>7} {c.n_heads:>5} {kv:>4} "
+            f"{name:<16} {c.attention_kind:<9} {c.n_layers:>6} {c.d_model:>7} {c.n_heads:>5} {kv:>4} {c.dtype:>5} "
             f"{param_count(c) / 1e9:>8.2f}B {active_params(c) / 1e9:>7.2f}B {c.max_seq_len:>8,} "
             f"{kv_bytes_per_token(c, 'bf16') / 1024:>10.1f} KiB  {runnable}"
         )
     print(
+        f"dtype: what the model computes in and caches K/V in, as shipped; {', '.join(mixed)} ship some weights "
+        "narrower (kvlab predict names them). "
         "active: parameters a batch-1 step reads (MoE: dense parts, shared and top-k routed experts), the input "
         "embedding counted whole; gpt-oss's published active counts leave it out, DeepSeek's 36.7B includes it "
         "(README_WEIGHTS.md; kvlab/data/reference_presets.md compares the counts)"
@@ -832,7 +842,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="measure TPOT against context on this machine")
     b.add_argument("--preset", default="cpu-small", help="a runnable preset (default cpu-small)")
     b.add_argument("--contexts", help=f"comma-separated, e.g. 2k,8k,16k,32k (default {DEFAULT_BENCH_CONTEXTS})")
-    b.add_argument("--batch", default="1")
+    b.add_argument("--batch", default="1", help="sequences decoded together (default 1)")
     b.add_argument("--tokens", default="16", help="output tokens per request (default 16)")
     b.add_argument("--requests", default="3", help="requests per context (default 3)")
     b.add_argument("--fill", default="fast", help="fast (random K/V) or prefill (default fast)")
@@ -916,6 +926,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:
+        # A reader that stopped early (`kvlab models | head`): nothing left to say, and nobody to say it to.
+        # Python flushes stdout at exit; onto the closed pipe that would raise again (Python's signal docs' recipe).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except UsageError as e:
         parser.exit(2, f"kvlab {args.command}: error: {e}\n")
 

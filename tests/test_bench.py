@@ -166,6 +166,7 @@ def test_bench_measures_the_onnx_runtime(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "runtime onnx (one graph a step)" in result.stdout and "fit:" in result.stdout, result.stdout
+    assert "R^2 n/a (a line through two points fits them exactly)" in result.stdout  # not a perfect-looking 1.0000
     assert json.loads((tmp_path / "b.json").read_text())["runtime"] == "onnx"  # what the sweep's model ran
 
 

@@ -301,10 +301,23 @@ def test_token_counts_accept_k_and_m_suffixes():
 def test_models_and_gpus_list_the_presets(capsys):
     _, out, _ = run_cli(capsys, "models")
     assert "llama-3.1-70b" in out and "deepseek-v3" in out and "no: mixture-of-experts" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[1:] if line[:1].isalnum()}
+    assert rows["cpu-small"][6] == "fp32" and rows["smollm2-135m"][6] == "bf16"  # what runtime='onnx' refuses
+    assert "deepseek-v3, gpt-oss-20b, gpt-oss-120b" in out  # their narrower shipped weights
     assert "163,840" in out  # deepseek-v3's context
     _, out, _ = run_cli(capsys, "gpus")
     assert "h200-sxm" in out and "4,800 GB/s" in out
     assert "165.2 TF/s*" in out and "rtx-4090: BF16 165.2 and FP8 330.3 are with FP32 accumulate" in out
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    """``kvlab models | head -1``: the pipe closes before kvlab writes, and kvlab leaves quietly."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvlab.cli", "models"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1 and err == "", err
 
 
 @pytest.mark.slow
@@ -334,3 +347,4 @@ def test_bench_writes_json_and_plot(tmp_path):
     assert [p["context"] for p in data["points"]] == [128, 256, 512]
     assert {"r2", "slope_us_per_token", "predicted_slope_us_per_token"} <= data["fit"].keys()
     assert "fit:" in result.stdout and (tmp_path / "b.png").exists()
+    assert f"R^2 {data['fit']['r2']:.4f}" in result.stdout  # three points: a fit that could have missed
