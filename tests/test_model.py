@@ -189,6 +189,42 @@ def test_device_is_picked_automatically_and_can_be_overridden():
         Decoder(tiny_config(), device="gpu")
 
 
+@pytest.mark.parametrize("call", ["prefill", "decode_step"])
+def test_a_cache_for_another_model_is_refused_naming_what_differs(call):
+    model = Decoder(tiny_config(), device="cpu")
+    tokens = torch.tensor([[1]])
+    other = Decoder(tiny_config(n_layers=3, n_kv_heads=1), device="cpu").new_cache(1, 8)
+    with pytest.raises(
+        ValueError, match=r"cache: n_layers=3, n_kv_heads=1, but the model has n_layers=2, n_kv_heads=2"
+    ):
+        getattr(model, call)(tokens, other)
+    assert other.length == 0  # refused before a slot was taken
+    wider = ContiguousKVCache(CacheShape(2, 2, 32, "bf16"), 1, 8)
+    with pytest.raises(
+        ValueError, match=r"cache: head_dim=32, dtype='bf16', but the model has head_dim=16, dtype='fp32'"
+    ):
+        getattr(model, call)(tokens, wider)
+    own = model.new_cache(1, 8)
+    getattr(model, call)(tokens, own)  # its own passes, and again from the remembered shape
+    getattr(model, call)(tokens, own)
+    assert own.length == 2
+
+
+def test_a_model_cast_after_it_was_built_is_refused_with_the_way_to_build_it():
+    model = Decoder(tiny_config(), device="cpu")
+    cache = model.new_cache(1, 8)
+    model.decode_step(torch.tensor([1]), cache)  # accepted once, then the model changes under the same cache
+    model.to(torch.bfloat16)
+    with pytest.raises(
+        ValueError,
+        match=r"model: its parameters are torch.bfloat16, but cfg.dtype is 'fp32'.*"
+        r"Decoder\(cfg.replace\(dtype=",
+    ):
+        model.decode_step(torch.tensor([1]), cache)
+    with pytest.raises(ValueError, match=r"model: its parameters are torch.bfloat16"):
+        model.prefill(torch.tensor([[1, 2]]), model.new_cache(1, 8))  # its new cache follows cfg.dtype
+
+
 def test_unrunnable_shapes_are_refused_with_the_reason():
     from kvlab import get_model
 

@@ -434,8 +434,8 @@ def test_a_decode_step_refuses_token_ids_that_are_not_integers(tokens, runtime) 
 @needs_onnxruntime
 def test_onnx_runtime_refuses_a_model_cast_or_moved_after_it_was_built() -> None:
     model = Decoder(tiny_config(), device="cpu", runtime="onnx")
-    model.double()
-    with pytest.raises(ValueError, match=r"runtime: 'onnx' for a torch.float64 model; allowed: an fp32 model"):
+    model.double()  # refused by the Decoder for every runtime, before ONNX Runtime sees it
+    with pytest.raises(ValueError, match=r"model: its parameters are torch.float64, but cfg.dtype is 'fp32'"):
         model.decode_step(torch.tensor([1]), model.new_cache(1, 4))
     model = Decoder(tiny_config(), device="cpu", runtime="onnx")
     model.layers[1].mlp.to("meta")  # one layer off the CPU: its address means nothing to ONNX Runtime

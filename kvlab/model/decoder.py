@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
-from kvlab.cache.base import KVCache
+from kvlab.cache.base import CacheShape, KVCache
 from kvlab.cache.policy.window import WindowKVCache
 from kvlab.cache.storage.latent import LatentKVCache
 from kvlab.cache.storage.slab import ContiguousKVCache
@@ -107,6 +107,7 @@ class Decoder(nn.Module):
         self.eval()
         self._onnx_step: OnnxStep | None = None
         self.runtime = runtime
+        self._accepted: tuple | None = None  # (cache shape, weight dtype, device) the last cache check passed
 
     @property
     def runtime(self) -> str:
@@ -201,14 +202,48 @@ class Decoder(nn.Module):
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             # ONNX Runtime's embedding would take 1.7 as token 1
             raise ValueError(f"tokens: dtype {tokens.dtype}; allowed: integer token ids")
-        if cache is not None and tokens.shape[0] != cache.batch_size:
-            raise ValueError(f"tokens: batch {tokens.shape[0]} but the cache holds {cache.batch_size} sequences")
+        if cache is not None:
+            self._check_cache(cache)
+            if tokens.shape[0] != cache.batch_size:
+                raise ValueError(f"tokens: batch {tokens.shape[0]} but the cache holds {cache.batch_size} sequences")
         if tokens.device.type != "cpu":
             return tokens  # reading min/max back would stall the GPU queue once per step
         lo, hi = (int(t) for t in torch.aminmax(tokens))
         if lo < 0 or hi >= self.cfg.vocab_size:
             raise ValueError(f"tokens: ids {lo}..{hi}; allowed: 0 <= id < vocab_size={self.cfg.vocab_size}")
         return tokens
+
+    def _check_cache(self, cache: KVCache) -> None:
+        """Refuse, naming what differs, a cache shaped for another model (another model's ``new_cache``), or for
+        this one before a cast or a move. Torch's own error would come from deep inside attention, or never: a cache
+        with more layers than the model runs. Runs at every step, so the shape last accepted passes at once."""
+        shape, weight = getattr(cache, "shape", None), self.embed.weight
+        if not isinstance(shape, CacheShape) or (shape, weight.dtype, weight.device) == self._accepted:
+            return
+        if weight.dtype != to_torch(self.cfg.dtype):
+            raise ValueError(
+                f"model: its parameters are {weight.dtype}, but cfg.dtype is {self.cfg.dtype!r}: a Decoder is not "
+                "cast once built, since its caches and byte counts follow cfg.dtype; allowed: a model built in the "
+                "dtype wanted, e.g. Decoder(cfg.replace(dtype='bf16')), then load_state_dict"
+            )
+        own = CacheShape.from_config(self.cfg, self.device)
+        fields = [
+            f
+            for f in ("n_layers", "n_kv_heads", "head_dim", "latent_values", "dtype")
+            if getattr(shape, f) != getattr(own, f)
+        ]
+        theirs, ours = torch.device(shape.device), self.device
+        if theirs.type != ours.type or theirs.index not in (None, ours.index):
+            fields.append("device")
+        if fields:
+            raise ValueError(
+                "cache: "
+                + ", ".join(f"{f}={getattr(shape, f)!r}" for f in fields)
+                + ", but the model has "
+                + ", ".join(f"{f}={getattr(own, f)!r}" for f in fields)
+                + "; allowed: a cache of this model's shape (model.new_cache)"
+            )
+        self._accepted = (shape, weight.dtype, weight.device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens``: ``[B, T]`` -> logits ``[B, T, V]`` for every position, no cache. Differentiable (training)."""

@@ -367,7 +367,6 @@ class _WholePlan:
         and data evicted by the weights' stream, and took about 0.5 ms a step where it took 0.1 in a loop of its own
         (docs/cpu_performance.md, section I)."""
         if self.cache is None or self.cache() is not cache:
-            _check_cache(step.model, cache)
             self.cache = None  # all of a cache's slabs are bound, or none is used
             for layer in range(cache.shape.n_layers):
                 for name, slab in zip(_slab_names(layer), cache.slabs(layer), strict=True):
@@ -383,18 +382,6 @@ class _WholePlan:
         except Exception:
             cache.truncate(start)  # the step did not happen: its slot is not the cache's
             raise
-
-
-def _check_cache(model: nn.Module, cache: ContiguousKVCache) -> None:
-    """Refuse, naming the field, a cache whose slabs do not have the shape the model's graph reads and writes."""
-    cfg, shape = model.cfg, cache.shape
-    want = {"n_layers": cfg.n_layers, "n_kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim}
-    for field, n in want.items():
-        if getattr(shape, field) != n:
-            raise ValueError(
-                f"cache: {field}={getattr(shape, field)}, but the model has {field}={n}; allowed: a cache of this "
-                "model's shape (model.new_cache)"
-            )
 
 
 def _slab_names(layer: int) -> tuple[str, str]:
