@@ -48,6 +48,8 @@ def child(tree: str, preset: str, threads: int, steps: int) -> None:
 
     if not Path(kvlab.__file__).resolve().is_relative_to(Path(tree).resolve()):
         sys.exit(f"kvlab was imported from {kvlab.__file__}, not from the tree {tree}")
+    if not (hasattr(kvlab, "Decoder") and hasattr(kvlab, "get_model")):
+        sys.exit("its kvlab has no kvlab.Decoder and kvlab.get_model: a revision older than this script can time")
     model = kvlab.Decoder(kvlab.get_model(preset), device="cpu")
     model.eval()
     token = torch.zeros(1, 1, dtype=torch.long)
@@ -94,6 +96,9 @@ def prepare(spec: str, workdir: Path, parser: argparse.ArgumentParser) -> Tree:
                 f"tree {spec!r}: the directory holds no kvlab/ package; allowed: a git revision, or a checkout"
             )
         return Tree(spec, "dir", Path(spec).resolve())
+    if os.sep in spec or Path(spec).exists():
+        what = "not a directory" if Path(spec).exists() else "no such directory"
+        parser.error(f"tree {spec!r}: {what}; allowed: a git revision, or a directory holding kvlab/")
     if shutil.which("git") is None:
         parser.error(f"tree {spec!r}: git is not on PATH, so revisions cannot be read; allowed: directories")
     found = git("rev-parse", "--verify", "--quiet", f"{spec}^{{commit}}")
@@ -159,13 +164,15 @@ class Runner:
 def report(trees: list[Tree], args: argparse.Namespace) -> list[str]:
     mode = "one process per tree" if args.keep else "a new process per sample"
     lines = [
-        f"{args.model}, decode steps from an empty cache (context 0-{args.steps - 1}), {args.threads} torch "
-        f"thread{'s' if args.threads > 1 else ''}, {args.rounds} rounds; a sample: "
+        f"{args.cfg.name}, decode steps from an empty cache (context 0-{args.steps - 1}), {args.threads} torch "
+        f"thread{'s' if args.threads > 1 else ''}, {args.rounds} round{'s' if args.rounds > 1 else ''}; a sample: "
         f"{'one burst' if args.keep else f'the median of {FRESH_BURSTS} bursts'} of {args.steps} steps, {mode}"
     ]
     lines += [f"  {t.name}: kvlab from {t.kvlab_file}" for t in trees]
+    lines.append("  (revisions are exported to a temporary folder, removed when the run ends)")
     width = max(len(t.name) for t in trees) + 2
-    head = f"{'tree':<{width}}{'commit':<11}{'wall ms':>9}{'min-max':>15}{'thread ms':>11}{'/ first':>9}  slower rounds"
+    head = f"{'tree':<{width}}{'commit':<11}{'wall ms':>9}{'wall min-max':>15}{'thread ms':>11}{'/ first':>9}"
+    head += "  slower rounds"
     lines.append(head)
     first = trees[0]
     for t in trees:
@@ -179,16 +186,31 @@ def report(trees: list[Tree], args: argparse.Namespace) -> list[str]:
             f"{statistics.median(ratios):>9.3f}  {slower}"
         )
     lines.append(
-        "/ first: the median over rounds of the tree's burst median over the first tree's in the same round; slower "
-        "rounds: how many of those ratios exceed 1. A regression shows in both; drift shows in neither."
+        "wall ms, thread ms: a tree's median sample on the wall clock and on its thread's CPU clock. / first: the "
+        "median over rounds of the tree's sample over the first tree's in the same round (so not the ratio of the "
+        "two medians); slower rounds: how many of those ratios exceed 1. A regression shows in both; drift slower "
+        "than a round shows in neither."
     )
+    if args.keep:
+        lines.append(
+            "With --keep, a process's own bias shows in both too: the same code in two kept processes differed by up "
+            "to 6%, one winning 27 of 30 rounds (docs/cpu_performance.md, section J). Give the same revision twice "
+            "(HEAD HEAD~0) to see that bias here, or run without --keep."
+        )
+    if args.rounds < 10:
+        lines.append(
+            f"{args.rounds} round{'s' if args.rounds > 1 else ''}: too few to tell a few percent from noise; section J "
+            "resolves 4-7% with 16 rounds."
+        )
     return lines
 
 
 def parse(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("trees", nargs="*", help="git revisions or kvlab checkouts ('.': this working tree)")
-    parser.add_argument("--model", default="cpu-small", help="a runnable preset every tree knows (default cpu-small)")
+    parser.add_argument(
+        "--model", default="cpu-small", help="a small runnable preset every tree knows (default cpu-small)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--rounds", type=int, default=30, help="turns each tree takes (default 30)")
     parser.add_argument("--steps", type=int, default=16, help="decode steps per burst (default 16)")
@@ -198,9 +220,33 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argpa
     for name, low in (("threads", 1), ("rounds", 1), ("steps", 2)):
         if getattr(args, name) < low:
             parser.error(f"--{name}: {getattr(args, name)}; allowed: an integer >= {low}")
-    if args.child is None and len(args.trees) < 2:
-        parser.error(f"trees: {len(args.trees)} given; allowed: two or more (the first is the one compared against)")
+    if args.child is None:
+        if len(args.trees) < 2:
+            parser.error(
+                f"trees: {len(args.trees)} given; allowed: two or more (the first is the one compared against)"
+            )
+        args.cfg = runnable_preset(args.model, parser)
     return parser, args
+
+
+def runnable_preset(name: str, parser: argparse.ArgumentParser):
+    """``--model`` as a preset this checkout runs, refused by name before any tree is exported. (A tree from before
+    the preset existed says so when its process starts.)"""
+    # Imported here, not at the top: a child process must import its own tree's kvlab first.
+    from kvlab.roofline import param_count
+    from kvlab.spec.presets import get_model, model_presets
+
+    runnable = ", ".join(n for n, c in model_presets().items() if c.runnable and param_count(c) < 1e9)
+    try:
+        cfg = get_model(name, "--model")
+    except ValueError:
+        parser.error(f"--model: unknown preset {name!r}; allowed: {runnable}")
+    if not cfg.runnable:
+        parser.error(f"--model: {cfg.name} cannot run: {cfg.not_runnable_reason}; allowed: {runnable}")
+    if param_count(cfg) >= 1e9:
+        # Every sample builds the model afresh in a process of its own: billions of random weights each time.
+        parser.error(f"--model: {cfg.name} has {param_count(cfg) / 1e9:.1f}B parameters; allowed: {runnable}")
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -208,10 +254,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.child is not None:
         child(args.child, args.model, args.threads, args.steps)
         return
-    load = f", load average {os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else ""
-    print(f"{sys.platform}, {os.cpu_count()} logical CPUs, Python {sys.version.split()[0]}{load}")
     with tempfile.TemporaryDirectory(prefix="kvlab-tree-ab-") as workdir:
         trees = [prepare(spec, Path(workdir), parser) for spec in args.trees]
+        load = f", load average {os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else ""
+        print(f"{sys.platform}, {os.cpu_count()} logical CPUs, Python {sys.version.split()[0]}{load}", flush=True)
         runners = [Runner(t, args) for t in trees]
         try:
             for r in range(args.rounds):

@@ -66,6 +66,8 @@ def test_each_tree_runs_its_own_kvlab(copied_tree, mode) -> None:
     )
     assert wall > 0 and ratio > 0 and slower in {"0/2", "1/2", "2/2"}, out
     assert ("one process per tree" if mode else "a new process per sample") in out
+    assert ("a process's own bias shows in both too" in out) == bool(mode)  # the caution --keep needs
+    assert "2 rounds: too few to tell a few percent from noise" in out
 
 
 @pytest.mark.parametrize(
@@ -75,6 +77,9 @@ def test_each_tree_runs_its_own_kvlab(copied_tree, mode) -> None:
         (["HEAD", "HEAD", "--rounds", "0"], "--rounds: 0; allowed: an integer >= 1"),
         (["HEAD", "HEAD", "--steps", "1"], "--steps: 1; allowed: an integer >= 2"),
         (["HEAD", "HEAD", "--threads", "0"], "--threads: 0; allowed: an integer >= 1"),
+        (["HEAD", "HEAD", "--model", "no-such-model"], "--model: unknown preset 'no-such-model'; allowed: cpu-tiny"),
+        (["HEAD", "HEAD", "--model", "mixtral-8x7b"], "--model: mixtral-8x7b cannot run: mixture-of-experts"),
+        (["HEAD", "HEAD", "--model", "llama-3.1-8b"], "--model: llama-3.1-8b has 8.0B parameters; allowed: cpu-tiny"),
     ],
 )
 def test_bad_counts_are_refused_by_name(tree_ab, capsys, args, message) -> None:
@@ -93,11 +98,18 @@ def test_bad_trees_are_refused_by_name(tree_ab, tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
         tree_ab.prepare(str(tmp_path), tmp_path, parser)
     assert f"tree {str(tmp_path)!r}: the directory holds no kvlab/ package" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tree_ab.prepare(str(tmp_path / "gone"), tmp_path, parser)
+    assert f"tree {str(tmp_path / 'gone')!r}: no such directory" in capsys.readouterr().err
+    (tmp_path / "notes.txt").write_text("")
+    with pytest.raises(SystemExit):
+        tree_ab.prepare(str(tmp_path / "notes.txt"), tmp_path, parser)
+    assert "notes.txt': not a directory" in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_a_tree_that_cannot_start_is_named(copied_tree) -> None:
-    result = run(str(copied_tree), str(copied_tree), "--model", "no-such-model", "--rounds", "1")
+def test_a_tree_that_cannot_start_is_named(tmp_path) -> None:
+    (tmp_path / "kvlab").mkdir()
+    (tmp_path / "kvlab" / "__init__.py").write_text("")  # a kvlab with no Decoder: as a very old revision's
+    result = run(str(tmp_path), str(tmp_path), "--model", "cpu-tiny", "--rounds", "1")
     assert result.returncode == 1
-    assert f"tree {str(copied_tree)!r} (dir) did not start" in result.stderr
-    assert "unknown preset 'no-such-model'" in result.stderr
+    assert f"tree {str(tmp_path)!r} (dir) did not start: its kvlab has no kvlab.Decoder" in result.stderr
