@@ -471,11 +471,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(
             f"fit: {s['slope_us_per_token']:.3f} us/token (predicted {s['predicted_slope_us_per_token']:.3f}), "
             f"intercept {s['intercept_ms']:.2f} ms (predicted {s['predicted_intercept_ms']:.2f}), "
-            + (
-                f"R^2 {s['r2']:.4f}"
-                if len(sweep.points) > 2
-                else "R^2 n/a (a line through two points fits them exactly)"
-            )
+            + _r_squared(len(sweep.points), s["r2"])
         )
         print(
             f"bandwidth each term reached, as a share of the {bw.read_gbps:.1f} GB/s read (predicted over fitted): "
@@ -489,11 +485,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _r_squared(n_points: int, r2: float) -> str:
+    """The fit's R^2, with what it cannot tell: nothing through two points, and little below 0.9."""
+    if n_points == 2:
+        return "R^2 n/a (a line through two points fits them exactly)"
+    return f"R^2 {r2:.4f}" + (" (below 0.9: the points are far from a line; add --requests)" if r2 < 0.9 else "")
+
+
 def _share(fraction: float) -> str:
     """A share of bandwidth as a percentage; a fit with no positive term (time falling with context: noise, or too
-    few contexts) has none to give."""
+    few contexts) has none to give, and a share above 1 says what can cause it."""
     if math.isnan(fraction):
         return "n/a (the fitted term is not positive: too noisy; add contexts or --requests)"
+    if fraction > 1:
+        # Not impossible: bytes that stay in the CPU's last-level cache are read faster than from memory.
+        return f"{fraction:.0%} (above the read bandwidth: bytes served from a CPU cache, or a noisy fit)"
     return f"{fraction:.0%}"
 
 
@@ -723,7 +729,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_models(args: argparse.Namespace) -> int:
     print(
-        f"{'name':<16} {'attention':<9} {'layers':>6} {'d_model':>7} {'heads':>5} {'kv':>4} {'dtype':>5} {'params':>9} "
+        f"{'name':<16} {'dtype':<5} {'attention':<9} {'layers':>6} {'d_model':>7} {'heads':>5} {'kv':>4} {'params':>9} "
         f"{'active':>8} {'max ctx':>8} {'KV/token bf16':>14}  runnable"
     )
     presets = {**model_presets(), **draft_presets()}
@@ -732,13 +738,14 @@ def cmd_models(args: argparse.Namespace) -> int:
         kv = "-" if c.mla else c.n_kv_heads
         runnable = "yes" if c.runnable else "no: " + c.not_runnable_reason
         print(
-            f"{name:<16} {c.attention_kind:<9} {c.n_layers:>6} {c.d_model:>7} {c.n_heads:>5} {kv:>4} {c.dtype:>5} "
+            f"{name:<16} {c.dtype:<5} {c.attention_kind:<9} {c.n_layers:>6} {c.d_model:>7} {c.n_heads:>5} {kv:>4} "
             f"{param_count(c) / 1e9:>8.2f}B {active_params(c) / 1e9:>7.2f}B {c.max_seq_len:>8,} "
             f"{kv_bytes_per_token(c, 'bf16') / 1024:>10.1f} KiB  {runnable}"
         )
     print(
         f"dtype: what the model computes in and caches K/V in, as shipped; {', '.join(mixed)} ship some weights "
-        "narrower (kvlab predict names them). "
+        "narrower (kvlab predict names them). kv: KV heads. KV/token: at bf16 for every model, so that rows compare "
+        "(kvlab predict gives it in the model's dtype). "
         "active: parameters a batch-1 step reads (MoE: dense parts, shared and top-k routed experts), the input "
         "embedding counted whole; gpt-oss's published active counts leave it out, DeepSeek's 36.7B includes it "
         "(README_WEIGHTS.md; kvlab/data/reference_presets.md compares the counts)"

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from kvlab import get_model
-from kvlab.cli import UsageError, parse_tokens
+from kvlab.cli import UsageError, _r_squared, _share, parse_tokens
 from kvlab.roofline import param_count
 from tests.helpers import run_cli
 
@@ -302,12 +302,21 @@ def test_models_and_gpus_list_the_presets(capsys):
     _, out, _ = run_cli(capsys, "models")
     assert "llama-3.1-70b" in out and "deepseek-v3" in out and "no: mixture-of-experts" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines()[1:] if line[:1].isalnum()}
-    assert rows["cpu-small"][6] == "fp32" and rows["smollm2-135m"][6] == "bf16"  # what runtime='onnx' refuses
+    assert rows["cpu-small"][1] == "fp32" and rows["smollm2-135m"][1] == "bf16"  # what runtime='onnx' refuses
     assert "deepseek-v3, gpt-oss-20b, gpt-oss-120b" in out  # their narrower shipped weights
     assert "163,840" in out  # deepseek-v3's context
     _, out, _ = run_cli(capsys, "gpus")
     assert "h200-sxm" in out and "4,800 GB/s" in out
     assert "165.2 TF/s*" in out and "rtx-4090: BF16 165.2 and FP8 330.3 are with FP32 accumulate" in out
+
+
+def test_bench_says_what_a_fit_cannot_tell():
+    assert _share(0.66) == "66%"
+    assert _share(float("nan")).startswith("n/a (the fitted term is not positive")
+    assert _share(1.79) == "179% (above the read bandwidth: bytes served from a CPU cache, or a noisy fit)"
+    assert _r_squared(2, 1.0) == "R^2 n/a (a line through two points fits them exactly)"
+    assert _r_squared(4, 0.9871) == "R^2 0.9871"
+    assert _r_squared(3, 0.0433) == "R^2 0.0433 (below 0.9: the points are far from a line; add --requests)"
 
 
 def test_a_reader_that_stops_early_gets_no_traceback():

@@ -218,11 +218,14 @@ def test_a_model_cast_after_it_was_built_is_refused_with_the_way_to_build_it():
     with pytest.raises(
         ValueError,
         match=r"model: its parameters are torch.bfloat16, but cfg.dtype is 'fp32'.*"
-        r"Decoder\(cfg.replace\(dtype=",
+        r"new = Decoder\(model.cfg.replace\(dtype='bf16'\)\), then new.load_state_dict\(model.state_dict\(\)\)",
     ):
         model.decode_step(torch.tensor([1]), cache)
     with pytest.raises(ValueError, match=r"model: its parameters are torch.bfloat16"):
         model.prefill(torch.tensor([[1, 2]]), model.new_cache(1, 8))  # its new cache follows cfg.dtype
+    new = Decoder(model.cfg.replace(dtype="bf16"), device="cpu")  # what the message says, followed literally
+    new.load_state_dict(model.state_dict())
+    assert new.prefill(torch.tensor([[1, 2]]), new.new_cache(1, 8)).dtype == torch.bfloat16
 
 
 def test_unrunnable_shapes_are_refused_with_the_reason():

@@ -221,10 +221,12 @@ class Decoder(nn.Module):
         if not isinstance(shape, CacheShape) or (shape, weight.dtype, weight.device) == self._accepted:
             return
         if weight.dtype != to_torch(self.cfg.dtype):
+            wanted = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(weight.dtype, "fp32")
             raise ValueError(
                 f"model: its parameters are {weight.dtype}, but cfg.dtype is {self.cfg.dtype!r}: a Decoder is not "
                 "cast once built, since its caches and byte counts follow cfg.dtype; allowed: a model built in the "
-                "dtype wanted, e.g. Decoder(cfg.replace(dtype='bf16')), then load_state_dict"
+                f"dtype, new = Decoder(model.cfg.replace(dtype={wanted!r})), then "
+                "new.load_state_dict(model.state_dict())"
             )
         own = CacheShape.from_config(self.cfg, self.device)
         fields = [
