@@ -932,7 +932,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
+        # A short listing waits in stdout's buffer; flushing here, not at exit, lets a closed pipe land below.
+        sys.stdout.flush()
+        return code
     except BrokenPipeError:
         # A reader that stopped early (`kvlab models | head`): nothing left to say, and nobody to say it to.
         # Python flushes stdout at exit; onto the closed pipe that would raise again (Python's signal docs' recipe).
