@@ -10,11 +10,13 @@ Everything at one thread count is measured in one loop, one call of each candida
 of load from elsewhere slows each a little rather than one a lot:
 1. the copy and read probes (``kvlab.machine.timing.measure_bandwidth``);
 2. one pass of every projection of a step (8 layers and the head, the model's own weights, in step order) by each
-   kernel: summing the same tensors (a read-only stream), torch's ``x @ W`` (MKL in torch's x86 wheels),
-   ``F.linear`` on ``[out, in]`` copies, numpy's BLAS (OpenBLAS in numpy's wheels, held to the same thread count
-   through threadpoolctl, when it is installed), and int8 through PyTorch's dynamic quantized linear (what
+   kernel: summing the same tensors (a read-only stream), torch's ``x @ W`` (MKL in torch's x86 wheels), the
+   model's own product (``WeightFormat.matmul``: numpy's OpenBLAS for one row at one thread on an AMD CPU, else
+   torch's), ``F.linear`` on ``[out, in]`` copies, numpy's BLAS (OpenBLAS in numpy's wheels, held to the same
+   thread count through threadpoolctl), and int8 through PyTorch's dynamic quantized linear (what
    ``Decoder(weight_dtype="int8")`` runs), whose bytes are a quarter;
-3. the model's zero-context decode step, against the weight bytes over the read bandwidth (predicted); the eager
+3. the model's zero-context decode step, against the weight bytes over the read bandwidth (predicted), and, where
+   its one-row products run on OpenBLAS, the same step with them on MKL; the eager
    floor: the same step written as one flat module (``benchmarks/flat_step.py``), with no modules inside, no cache
    object and no checks, about as few PyTorch calls as eager mode allows; and, where ``onnxruntime`` and ``onnx``
    are installed, each in a loop of its own, the model's step with ``runtime="onnx"`` on its ``new_cache`` (one
@@ -46,6 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from threadpoolctl import threadpool_limits
 
 from kvlab import Decoder, get_model
 from kvlab.machine.timing import (
@@ -57,8 +60,9 @@ from kvlab.machine.timing import (
     time_interleaved,
 )
 from kvlab.measure.step_time import layer_weights
+from kvlab.model import weights as weight_kernels
 from kvlab.model.onnx_step import unsupported
-from kvlab.model.weights import WeightFormat, column_blocks_matmul, splits_columns
+from kvlab.model.weights import WeightFormat, column_blocks_matmul, numpy_openblas, splits_columns
 from kvlab.roofline import weight_bytes_read
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -74,7 +78,7 @@ def matvec_candidates(model: Decoder) -> tuple[dict[str, object], dict[str, int]
     weights = [w for layer in layer_weights(model) for w in layer]
     xs = [torch.randn(1, w.shape[0]) for w in weights]
     transposed = [w.detach().T.contiguous() for w in weights]  # nn.Linear's [out, in]
-    int8 = WeightFormat("int8")
+    fp32, int8 = WeightFormat("fp32"), WeightFormat("int8")
 
     def run(fn):
         def one_pass() -> None:
@@ -86,6 +90,7 @@ def matvec_candidates(model: Decoder) -> tuple[dict[str, object], dict[str, int]
     candidates = {
         "sum (read stream)": run(lambda i: weights[i].sum()),
         "torch x @ W (MKL)": run(lambda i: xs[i] @ weights[i]),
+        "kvlab's product (fp32)": run(lambda i: fp32.matmul(xs[i], weights[i])),
         "F.linear [out, in]": run(lambda i: F.linear(xs[i], transposed[i])),
         "int8 dynamic linear": run(lambda i: int8.matmul(xs[i], weights[i])),
     }
@@ -105,6 +110,20 @@ def max_logit_diff(model: Decoder, other: Decoder, tokens: list[int]) -> float:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         worst = max(worst, (got - want).abs().max().item())
     return worst
+
+
+def on_torch_kernel(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """``step`` with every product on torch's own kernel, as before one-row products moved to numpy's OpenBLAS."""
+
+    def run() -> torch.Tensor:
+        shipped = weight_kernels.runs_on_openblas
+        weight_kernels.runs_on_openblas = lambda x, w: False
+        try:
+            return step()
+        finally:
+            weight_kernels.runs_on_openblas = shipped
+
+    return run
 
 
 def zero_context_step(model: Decoder) -> Callable[[], torch.Tensor]:
@@ -146,22 +165,9 @@ def column_blocks_by_rows(model: Decoder, threads: int, repeats: int, clock: str
     return {"mb": sum(w.numel() * 4 for w in weights) / 1e6, "n_weights": len(weights), "ms": ms}
 
 
-def blas_limits():
-    """threadpoolctl's ``threadpool_limits``, which holds numpy's BLAS to a thread count; None without it."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        return None
-    return threadpool_limits
-
-
-def numpy_pass(model: Decoder, threads: int, repeats: int, clock: str) -> dict | None:
+def numpy_pass(model: Decoder, threads: int, repeats: int, clock: str) -> dict:
     """numpy's ``x @ W`` over a step's weights with its BLAS held to ``threads`` for this loop only (then back to
-    one thread, as ``main`` set it); None without threadpoolctl."""
-    threadpool_limits = blas_limits()
-    if threadpool_limits is None:
-        print("numpy candidate skipped: pip install threadpoolctl to hold numpy's BLAS to a thread count")
-        return None
+    one thread, as ``main`` set it)."""
     weights = [w.detach().numpy() for layer in layer_weights(model) for w in layer]
     rng = np.random.default_rng(0)
     xs = [rng.standard_normal((1, w.shape[0]), dtype=np.float32) for w in weights]
@@ -202,6 +208,8 @@ def measure(model: Decoder, onnx_model: Decoder | None, threads: int, repeats: i
     torch.set_num_threads(threads)
     candidates, nbytes = matvec_candidates(model)
     steps = {f"step, {model.weight_dtype}": zero_context_step(model)}
+    if threads == 1 and model.weight_dtype == "fp32" and numpy_openblas() is not None:
+        steps["step, fp32, MKL products"] = on_torch_kernel(steps["step, fp32"])
     flat = FlatStep(model) if floor_covers(model) else None
     if flat is not None:
         cos, sin = model.rope.span(0, 1)
@@ -213,9 +221,7 @@ def measure(model: Decoder, onnx_model: Decoder | None, threads: int, repeats: i
     buffer = int(size_mb * 1e6 / 4) * 4
     copy_gbps, read_gbps = 2 * buffer / ms["copy probe"] / 1e6, buffer / ms["read probe"] / 1e6
     matvec = {k: {"ms": ms[k], "mb": nbytes[k] / 1e6, "gbps": nbytes[k] / ms[k] / 1e6} for k in candidates}
-    numpy = numpy_pass(model, threads, repeats, clock)
-    if numpy is not None:
-        matvec["numpy x @ W (BLAS), own loop"] = numpy
+    matvec["numpy x @ W (BLAS), own loop"] = numpy_pass(model, threads, repeats, clock)
     # ONNX Runtime's steps, each in a loop of its own. At more than one thread their sessions' threads spin within a
     # run, and next to PyTorch's OpenMP threads, which spin for a while after each of PyTorch's steps, both slowed.
     alone = {}
@@ -297,11 +303,9 @@ def main() -> None:
     else:
         print(f"runtime='onnx' skipped: {why_not}")
     print("environment:", json.dumps(machine_info()), "| OPENBLAS_NUM_THREADS:", os.environ.get("OPENBLAS_NUM_THREADS"))
-    threadpool_limits = blas_limits()
-    if threadpool_limits is not None:
-        # Outside numpy's own loop its BLAS stays at one thread: OpenBLAS's idle threads spin, and beside torch's
-        # two they took the second CPU from every other two-thread measurement.
-        threadpool_limits(1, user_api="blas")
+    # Outside numpy's own loop its BLAS stays at one thread: OpenBLAS's idle threads spin, and beside torch's two
+    # they took the second CPU from every other two-thread measurement.
+    threadpool_limits(1, user_api="blas")
     floor_diff = None
     if floor_covers(model):
         with torch.inference_mode():

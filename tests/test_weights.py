@@ -1,6 +1,9 @@
 """kvlab.model.weights: int8 weights through PyTorch's quantized kernel, half-precision weights, and the Decoder's
 weight_dtype."""
 
+import sys
+import warnings
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -151,3 +154,114 @@ def test_batched_step_at_two_threads_runs_the_column_blocks_and_matches_one_thre
         logits[n] = model.decode_step(tokens[:, -1], cache)
     assert calls and set(calls) == {2}  # only at two threads, and for the large weights
     assert_close(logits[2], logits[1], rtol=1e-5, atol=1e-5)
+
+
+on_openblas = pytest.mark.skipif(
+    kvlab.model.weights.numpy_openblas() is None,
+    reason="one-row products run on numpy's OpenBLAS only where torch runs MKL on an AMD CPU and numpy has OpenBLAS",
+)
+
+
+@on_openblas
+def test_openblas_row_is_the_plain_product_and_puts_openblas_threads_back(monkeypatch):
+    blas = kvlab.model.weights.numpy_openblas()
+    gen = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(96, 200, generator=gen))  # a parameter: it requires grad
+    held, dot = [], kvlab.model.weights.np.dot
+    monkeypatch.setattr(kvlab.model.weights.np, "dot", lambda *a: held.append(blas.get_num_threads()) or dot(*a))
+    before = blas.get_num_threads()
+    blas.set_num_threads(2)
+    try:
+        for x in (torch.randn(96, generator=gen), torch.randn(1, 96, generator=gen), torch.randn(1, 1, 96)):
+            with torch.no_grad():
+                out = kvlab.model.weights.openblas_row(x, w)
+            assert out.shape == (*x.shape[:-1], 200)
+            assert_close(out, x @ w.detach(), rtol=1e-5, atol=1e-5)
+            assert blas.get_num_threads() == 2  # put back after the call
+    finally:
+        blas.set_num_threads(before)
+    assert held == [1, 1, 1]  # one thread during each call
+
+
+@on_openblas
+def test_a_single_sequence_step_at_one_thread_runs_on_openblas_and_matches_torch(monkeypatch, threads):
+    model = Decoder(tiny_config(d_model=128, d_ff=256, vocab_size=512), device="cpu", seed=0)
+    tokens = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(1))
+    rows = []
+    row = kvlab.model.weights.openblas_row
+    monkeypatch.setattr(kvlab.model.weights, "openblas_row", lambda x, w: rows.append(x.numel()) or row(x, w))
+
+    def step(batch: int) -> torch.Tensor:
+        cache = model.new_cache(batch, 16)
+        with torch.inference_mode():
+            model.prefill(tokens[:batch, :-1], cache)
+            return model.decode_step(tokens[:batch, -1], cache)
+
+    threads(1)
+    ours = step(1)
+    assert len(rows) == 4 * model.cfg.n_layers + 1 and set(rows) <= {128, 256}  # the step's products, not prefill's
+    rows.clear()
+    step(2)  # two rows: torch's product
+    threads(2)
+    step(1)  # two threads: torch's product
+    assert rows == []
+    threads(1)
+    monkeypatch.setattr(kvlab.model.weights, "runs_on_openblas", lambda x, w: False)
+    assert_close(ours, step(1), rtol=1e-5, atol=1e-5)
+
+
+def test_one_row_products_leave_torch_only_when_nothing_needs_torch(threads):
+    threads(1)
+    w, x = torch.nn.Parameter(torch.randn(64, 32)), torch.randn(1, 1, 64)
+    on = kvlab.model.weights.runs_on_openblas
+    with torch.no_grad():
+        assert on(x, w) == (kvlab.model.weights.numpy_openblas() is not None)
+        assert not on(torch.randn(2, 64), w)  # two rows
+        assert not on(x, torch.randn(32, 64).T)  # a tied head's transposed view: not contiguous
+        assert not on(x.double(), w.double()) and not on(x.bfloat16(), w.bfloat16())
+    assert not on(x, w)  # a gradient to carry: torch's product
+
+    # A trace must record torch's MatMul, not a constant numpy computed while tracing.
+    fmt, weight = WeightFormat("fp32"), w.detach()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.trace is; onnx_step's exporter traces with it
+        traced = torch.jit.trace(lambda row: fmt.matmul(row, weight), (x,))
+    other = torch.randn(1, 1, 64)
+    assert_close(traced(other), other @ weight, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def fresh_openblas_choice():
+    kvlab.model.weights.numpy_openblas.cache_clear()
+    yield
+    kvlab.model.weights.numpy_openblas.cache_clear()
+
+
+def test_only_an_amd_cpu_with_threadpoolctl_moves_products_to_openblas(monkeypatch, fresh_openblas_choice):
+    monkeypatch.setattr(kvlab.model.weights, "cpu_vendor", lambda: "Intel")
+    assert kvlab.model.weights.numpy_openblas() is None
+    kvlab.model.weights.numpy_openblas.cache_clear()
+    monkeypatch.setattr(kvlab.model.weights, "cpu_vendor", lambda: "AMD")
+    monkeypatch.setitem(sys.modules, "threadpoolctl", None)  # not installed
+    assert kvlab.model.weights.numpy_openblas() is None
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "processor", "vendor"),
+    [
+        ("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\n", "", "AMD"),
+        ("processor\t: 0\nvendor_id\t: GenuineIntel\n", "", "Intel"),
+        (None, "AMD64 Family 25 Model 80 Stepping 0, AuthenticAMD", "AMD"),  # Windows
+        (None, "Intel64 Family 6 Model 154 Stepping 3, GenuineIntel", "Intel"),
+        (None, "arm", "other"),
+    ],
+)
+def test_cpu_vendor_reads_cpuinfo_else_the_processor_string(tmp_path, monkeypatch, cpuinfo, processor, vendor):
+    import kvlab.machine.timing as timing
+
+    path = tmp_path / "cpuinfo"
+    if cpuinfo is not None:
+        path.write_text(cpuinfo)
+    monkeypatch.setattr(timing, "Path", lambda _: path)
+    monkeypatch.setattr(timing.platform, "processor", lambda: processor)
+    assert timing.cpu_vendor() == vendor

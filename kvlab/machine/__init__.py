@@ -10,6 +10,7 @@ _EXPORTS: dict[str, str] = {
     "Stopwatch": "kvlab.machine.timing",
     "bandwidth_buffer_mb": "kvlab.machine.timing",
     "cpu_name": "kvlab.machine.timing",
+    "cpu_vendor": "kvlab.machine.timing",
     "last_level_cache_bytes": "kvlab.machine.device",
     "load_average": "kvlab.machine.timing",
     "machine_info": "kvlab.machine.timing",

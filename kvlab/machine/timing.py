@@ -133,6 +133,17 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_vendor() -> str:
+    """``"AMD"``, ``"Intel"``, or ``"other"``: who made the CPU (``vendor_id`` in /proc/cpuinfo on Linux; the
+    processor string on Windows, which names it, e.g. "AMD64 Family 25 Model 1 Stepping 1, AuthenticAMD")."""
+    cpuinfo = Path("/proc/cpuinfo")
+    text = cpuinfo.read_text() if cpuinfo.is_file() else platform.processor()
+    for tag, vendor in (("AuthenticAMD", "AMD"), ("GenuineIntel", "Intel")):
+        if tag in text:
+            return vendor
+    return "other"
+
+
 def load_average() -> str:
     """The 1, 5 and 15 minute load averages, to print beside a timing taken on a shared machine ("n/a" where the
     system keeps none, as on Windows)."""

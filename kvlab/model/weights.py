@@ -6,12 +6,15 @@ state (checkpoints, training, Hugging Face export see only them); a format other
 each one, rebuilt whenever the parameter changes (``Tensor._version``), so loading a checkpoint or editing a weight
 in place needs no extra call.
 
-- ``fp32``: ``x @ w``, torch's own kernel. On a 2-core AMD EPYC (Zen 3) its one-row product reads the weights at
-  the speed of summing them at one thread, and numpy's OpenBLAS, the other kernel a laptop has, gained nothing
-  inside a step (docs/cpu_performance.md, ``benchmarks/weight_term.py``). But MKL ran a product of a few rows on
-  one thread at two torch threads, so there a batched step's products (``SPLIT_ROWS``) cut a large weight's columns
-  into one block per thread and run them as one batched product, which MKL spreads over the threads
-  (``column_blocks_matmul``).
+- ``fp32``: ``x @ w``, torch's own kernel (MKL in torch's x86 wheels), with two exceptions measured on a 2-core
+  AMD EPYC (Zen 3) (docs/cpu_performance.md, section K; ``benchmarks/weight_term.py``):
+  - at one thread, on an AMD CPU, a one-row product (a single sequence's decode step) runs on numpy's OpenBLAS
+    (``openblas_row``). On an idle machine MKL's one-row products read the weights at 15-17 GB/s, OpenBLAS's at
+    17-21 and a sum of them at 22-27; a step took 3-11% less time up to 2k tokens of context, and the same within
+    3% at 8k. Intel CPUs, where MKL is Intel's own, keep MKL: not measured.
+  - at two threads or more, MKL ran a product of a few rows on one thread, so there a batched step's products
+    (``SPLIT_ROWS``) cut a large weight's columns into one block per thread and run them as one batched product,
+    which MKL spreads over the threads (``column_blocks_matmul``).
 - ``int8``: symmetric, one fp32 scale per output channel, through PyTorch's dynamic quantized linear (fbgemm on
   x86, qnnpack on ARM): the activation row is quantized on the fly, the product runs in integers.
 - ``bf16``, ``fp16``: weights stored in half precision; the activation is cast to match and the product cast back
@@ -22,10 +25,14 @@ in place needs no extra call.
 
 from __future__ import annotations
 
+import functools
 import warnings
+from pathlib import Path
 
+import numpy as np
 import torch
 
+from kvlab.machine.timing import cpu_vendor
 from kvlab.spec.config import ModelConfig
 
 WEIGHT_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8")
@@ -86,6 +93,8 @@ class WeightFormat:
             threads = torch.get_num_threads()
             if threads > 1 and splits_columns(x, w, threads):
                 return column_blocks_matmul(x, w, threads)
+            if threads == 1 and runs_on_openblas(x, w):
+                return openblas_row(x, w)
             return x @ w
         # A packed format is for inference: its kernels carry no gradient.
         packed = self._pack(w)
@@ -153,6 +162,64 @@ def column_blocks_matmul(x: torch.Tensor, w: torch.Tensor, blocks: int) -> torch
     rows = x.reshape(-1, x.shape[-1])
     parts = torch.bmm(rows.expand(blocks, *rows.shape), w.unflatten(1, (blocks, -1)).movedim(1, 0))
     return parts.transpose(0, 1).reshape(*x.shape[:-1], w.shape[1])
+
+
+@functools.cache
+def numpy_openblas() -> object | None:
+    """numpy's OpenBLAS, as threadpoolctl controls it, where one-row fp32 products run on it; else ``None``.
+
+    Only where torch's products run on MKL and the CPU is AMD's: that is where OpenBLAS was measured to win. numpy's
+    own copy is the one found inside numpy's installation (``numpy.libs``, ``numpy/.dylibs``), else the only OpenBLAS
+    loaded. A numpy built on MKL or Accelerate, or no threadpoolctl, keeps torch's kernel. Decided once a process.
+    """
+    if not torch.backends.mkl.is_available() or cpu_vendor() != "AMD":
+        return None
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:
+        return None
+    found = [lib for lib in ThreadpoolController().lib_controllers if lib.internal_api == "openblas"]
+    site = Path(np.__file__).resolve().parent.parent
+    own = [
+        lib for lib in found if Path(lib.filepath).resolve().parent in (site / "numpy.libs", site / "numpy" / ".dylibs")
+    ]
+    if len(own) == 1:
+        return own[0]
+    return found[0] if len(found) == 1 else None
+
+
+def runs_on_openblas(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``WeightFormat.matmul`` at one thread runs ``x @ w`` on numpy's OpenBLAS (``openblas_row``): one row
+    ``x`` (``[..., in]``, one vector in all) by a contiguous fp32 CPU weight ``[in, out]``, with no gradient to
+    carry and no tracer watching (an ONNX export must see torch's MatMul), where ``numpy_openblas()`` found one."""
+    return (
+        x.dtype == w.dtype == torch.float32
+        and w.dim() == 2
+        and x.numel() == w.shape[0] == x.shape[-1]
+        and w.device.type == "cpu"
+        and w.is_contiguous()
+        and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+        and not torch.jit.is_tracing()
+        and not torch.compiler.is_compiling()
+        and numpy_openblas() is not None
+    )
+
+
+def openblas_row(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w`` for one row ``x`` ``[..., in]`` by ``w`` ``[in, out]`` -> ``[..., out]``, on numpy's OpenBLAS held to
+    one thread for the call (torch's count; its other threads would take a core torch was told to leave), then put
+    back. ``x`` and ``w`` are shared with numpy, not copied."""
+    blas = numpy_openblas()
+    threads = blas.get_num_threads()
+    if threads != 1:
+        blas.set_num_threads(1)
+    try:
+        # A [1, in] row, not a vector: numpy then takes the orientation of OpenBLAS's gemv that ran 3% faster here.
+        out = np.dot(x.detach().numpy().reshape(1, -1), w.detach().numpy())
+    finally:
+        if threads != 1:
+            blas.set_num_threads(threads)
+    return torch.from_numpy(out).view(*x.shape[:-1], -1)
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
