@@ -2,6 +2,7 @@
 weight_dtype."""
 
 import sys
+import threading
 import warnings
 
 import pytest
@@ -181,6 +182,19 @@ def test_openblas_row_is_the_plain_product_and_puts_openblas_threads_back(monkey
     finally:
         blas.set_num_threads(before)
     assert held == [1, 1, 1]  # one thread during each call
+
+    # From another Python thread too (kvlab serve steps on one), though this thread set OpenBLAS's count last:
+    # threadpoolctl 3.8 ignores the others' settings until the setter lets go.
+    held.clear()
+    blas.set_num_threads(2)
+    try:
+        worker = threading.Thread(target=lambda: kvlab.model.weights.openblas_row(torch.randn(96), w.detach()))
+        worker.start()
+        worker.join()
+        assert blas.get_num_threads() == 2
+    finally:
+        blas.set_num_threads(before)
+    assert held == [1]
 
 
 @on_openblas

