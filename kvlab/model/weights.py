@@ -10,8 +10,8 @@ in place needs no extra call.
   AMD EPYC (Zen 3) (docs/cpu_performance.md, section K; ``benchmarks/weight_term.py``):
   - at one thread, on an AMD CPU, a one-row product (a single sequence's decode step) runs on numpy's OpenBLAS
     (``openblas_row``). On an idle machine MKL's one-row products read the weights at 15-17 GB/s, OpenBLAS's at
-    17-21 and a sum of them at 22-27; a step took 3-11% less time up to 2k tokens of context, and the same within
-    3% at 8k. Intel CPUs, where MKL is Intel's own, keep MKL: not measured.
+    17-21 and a sum of them at 22-27; in one process, taking turns, a step took 3-9% less time up to 2k tokens of
+    context, and the same within 3% at 8k. Intel CPUs, where MKL is Intel's own, keep MKL: not measured.
   - at two threads or more, MKL ran a product of a few rows on one thread, so there a batched step's products
     (``SPLIT_ROWS``) cut a large weight's columns into one block per thread and run them as one batched product,
     which MKL spreads over the threads (``column_blocks_matmul``).
