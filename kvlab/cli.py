@@ -419,7 +419,22 @@ def _set_runtime(model, runtime: str) -> None:
 
 
 def _contexts(args: argparse.Namespace) -> list[int]:
-    return [parse_tokens(c, "--contexts") for c in (args.contexts or DEFAULT_BENCH_CONTEXTS).split(",") if c.strip()]
+    given = [c.strip() for c in (args.contexts or DEFAULT_BENCH_CONTEXTS).split(",") if c.strip()]
+    if not given:
+        raise UsageError(f"--contexts: {args.contexts!r} names no length; allowed: comma-separated, e.g. 2k,8k,16k")
+    contexts: dict[int, str] = {}
+    for text in given:
+        tokens = parse_tokens(text, "--contexts")
+        if tokens in contexts:
+            # A sweep keeps one point per length, so a repeat would silently drop out of the fit.
+            twice = (
+                "is given twice" if text == contexts[tokens] else f"and {contexts[tokens]} are both {tokens:,} tokens"
+            )
+            raise UsageError(
+                f"--contexts: {text} {twice}; allowed: distinct lengths (--requests measures one length more times)"
+            )
+        contexts[tokens] = text
+    return list(contexts)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -552,14 +567,15 @@ def cmd_bench_endpoint(args: argparse.Namespace) -> int:
         raise UsageError(
             "--trace: its requests set their own lengths; allowed: --trace alone, or --input-len, or --contexts"
         )
+    contexts = _contexts(args) if args.contexts else None  # before the server is asked anything
     try:
         tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
         request = RequestOptions(endpoint_type, bool(args.ignore_eos), tokenizer)
         facts = measure_prompt_tokens(url, args.model, request)
         options = {"max_concurrency": concurrency, "request_rate": rate, "options": request, "facts": facts}
-        if args.contexts:
-            facts.require_fit(_contexts(args), output_len, "--contexts")
-            results = sweep_contexts(url, args.model, _contexts(args), n_prompts, output_len, **options)
+        if contexts:
+            facts.require_fit(contexts, output_len, "--contexts")
+            results = sweep_contexts(url, args.model, contexts, n_prompts, output_len, **options)
         else:
             if args.trace:
                 prompts = read_trace(args.trace, tokenizer)

@@ -357,3 +357,18 @@ def test_bench_writes_json_and_plot(tmp_path):
     assert {"r2", "slope_us_per_token", "predicted_slope_us_per_token"} <= data["fit"].keys()
     assert "fit:" in result.stdout and (tmp_path / "b.png").exists()
     assert f"R^2 {data['fit']['r2']:.4f}" in result.stdout  # three points: a fit that could have missed
+
+
+@pytest.mark.parametrize(
+    ("contexts", "error"),
+    [
+        ("64,64", "--contexts: 64 is given twice; allowed: distinct lengths"),
+        ("2k,4k,2048", "--contexts: 2048 and 2k are both 2,048 tokens; allowed: distinct lengths"),
+        (" , ", "--contexts: ' , ' names no length; allowed: comma-separated"),
+    ],
+)
+def test_bench_refuses_contexts_a_sweep_would_drop(capsys, contexts, error):
+    """A sweep keeps one point per length: a repeat would drop out of the fit without a word."""
+    for endpoint in ([], ["--endpoint", "http://127.0.0.1:9", "--model", "m"]):
+        code, _, err = run_cli(capsys, "bench", "--preset", "cpu-tiny", "--contexts", contexts, *endpoint)
+        assert code == 2 and error in err, err

@@ -390,7 +390,7 @@ async def _probe(client: httpx.AsyncClient, url: str, model: str, options: Reque
         try:
             response = await client.post(url + ENDPOINT_TYPES[options.endpoint_type], json=body)
         except httpx.HTTPError as e:
-            raise EndpointError(f"{url}: {type(e).__name__}: {e}") from None
+            raise EndpointError(f"probe request: {type(e).__name__}: {e}") from None
         if response.status_code != 200:
             raise EndpointError(f"probe request: HTTP {response.status_code}: {response.text[:300]}")
         try:
