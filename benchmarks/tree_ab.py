@@ -225,6 +225,13 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argpa
             parser.error(
                 f"trees: {len(args.trees)} given; allowed: two or more (the first is the one compared against)"
             )
+        repeated = sorted({t for t in args.trees if args.trees.count(t) > 1})
+        if repeated:
+            # The report names each tree by what was given: two rows of one name could not be told apart.
+            parser.error(
+                f"trees: {', '.join(repeated)} given twice; allowed: distinct names (to time a revision against "
+                "itself, name it twice differently: HEAD HEAD~0)"
+            )
         args.cfg = runnable_preset(args.model, parser)
     return parser, args
 

@@ -74,12 +74,13 @@ def test_each_tree_runs_its_own_kvlab(copied_tree, mode) -> None:
     ("args", "message"),
     [
         (["HEAD"], "trees: 1 given; allowed: two or more"),
-        (["HEAD", "HEAD", "--rounds", "0"], "--rounds: 0; allowed: an integer >= 1"),
-        (["HEAD", "HEAD", "--steps", "1"], "--steps: 1; allowed: an integer >= 2"),
-        (["HEAD", "HEAD", "--threads", "0"], "--threads: 0; allowed: an integer >= 1"),
-        (["HEAD", "HEAD", "--model", "no-such-model"], "--model: unknown preset 'no-such-model'; allowed: cpu-tiny"),
-        (["HEAD", "HEAD", "--model", "mixtral-8x7b"], "--model: mixtral-8x7b cannot run: mixture-of-experts"),
-        (["HEAD", "HEAD", "--model", "llama-3.1-8b"], "--model: llama-3.1-8b has 8.0B parameters; allowed: cpu-tiny"),
+        (["HEAD", "main", "HEAD"], "trees: HEAD given twice; allowed: distinct names"),
+        (["HEAD", "HEAD~0", "--rounds", "0"], "--rounds: 0; allowed: an integer >= 1"),
+        (["HEAD", "HEAD~0", "--steps", "1"], "--steps: 1; allowed: an integer >= 2"),
+        (["HEAD", "HEAD~0", "--threads", "0"], "--threads: 0; allowed: an integer >= 1"),
+        (["HEAD", "HEAD~0", "--model", "no-such-model"], "--model: unknown preset 'no-such-model'; allowed: cpu-tiny"),
+        (["HEAD", "HEAD~0", "--model", "mixtral-8x7b"], "--model: mixtral-8x7b cannot run: mixture-of-experts"),
+        (["HEAD", "HEAD~0", "--model", "llama-3.1-8b"], "--model: llama-3.1-8b has 8.0B parameters; allowed: cpu-tiny"),
     ],
 )
 def test_bad_counts_are_refused_by_name(tree_ab, capsys, args, message) -> None:
@@ -91,7 +92,7 @@ def test_bad_counts_are_refused_by_name(tree_ab, capsys, args, message) -> None:
 
 @needs_git
 def test_bad_trees_are_refused_by_name(tree_ab, tmp_path, capsys) -> None:
-    parser, _ = tree_ab.parse(["HEAD", "HEAD"])
+    parser, _ = tree_ab.parse(["HEAD", "HEAD~0"])
     with pytest.raises(SystemExit):
         tree_ab.prepare("no-such-revision-xyz", tmp_path, parser)
     assert "tree 'no-such-revision-xyz': not a commit" in capsys.readouterr().err
@@ -110,6 +111,6 @@ def test_bad_trees_are_refused_by_name(tree_ab, tmp_path, capsys) -> None:
 def test_a_tree_that_cannot_start_is_named(tmp_path) -> None:
     (tmp_path / "kvlab").mkdir()
     (tmp_path / "kvlab" / "__init__.py").write_text("")  # a kvlab with no Decoder: as a very old revision's
-    result = run(str(tmp_path), str(tmp_path), "--model", "cpu-tiny", "--rounds", "1")
+    result = run(str(tmp_path), f"{tmp_path}/.", "--model", "cpu-tiny", "--rounds", "1")  # one tree, two names
     assert result.returncode == 1
     assert f"tree {str(tmp_path)!r} (dir) did not start: its kvlab has no kvlab.Decoder" in result.stderr
