@@ -358,6 +358,39 @@ def test_onnx_runtime_reads_the_weights_as_they_are_now(key_major: bool) -> None
 
 
 @needs_onnxruntime
+@pytest.mark.parametrize("inference_tensors", [False, True], ids=["versioned", "made-under-inference-mode"])
+def test_onnx_runtime_in_one_graph_reads_weights_changed_in_place(inference_tensors: bool) -> None:
+    """The whole-step graph's session holds the weights (repacked by ONNX Runtime) where the parameters keep
+    versions: a checkpoint loaded in place, or a weight scaled in place, makes the next step's session anew.
+    Parameters made under inference mode keep none, so their weights are bound and read as they are."""
+    with torch.inference_mode(inference_tensors):
+        eager, onnx = pair(tiny_config())
+    token = torch.tensor([7])
+
+    def logits(model: Decoder) -> torch.Tensor:
+        with torch.inference_mode():
+            return model.decode_step(token, model.new_cache(1, 8))
+
+    def edit(fn) -> None:
+        with torch.inference_mode(inference_tensors), torch.no_grad():
+            for model in (eager, onnx):
+                fn(model)
+
+    before = logits(onnx)
+    torch.testing.assert_close(before, logits(eager), **TOL)
+    assert len(onnx._onnx_step.whole_sessions) == (0 if inference_tensors else 1)
+    other = Decoder(tiny_config(), device="cpu", seed=9).state_dict()
+    edit(lambda m: m.load_state_dict(other))
+    loaded = logits(onnx)
+    assert not torch.allclose(loaded, before)
+    torch.testing.assert_close(loaded, logits(eager), **TOL)
+    edit(lambda m: m.layers[1].mlp.w_down.mul_(3))
+    scaled = logits(onnx)
+    assert not torch.allclose(scaled, loaded)
+    torch.testing.assert_close(scaled, logits(eager), **TOL)
+
+
+@needs_onnxruntime
 def test_onnx_runtime_keeps_the_models_mode() -> None:
     model = Decoder(tiny_config(), device="cpu")
     model.runtime = "onnx"

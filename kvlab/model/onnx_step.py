@@ -5,19 +5,25 @@ Why: a small model's decode step is a few dozen matrix products and a few hundre
 pays microseconds of Python and dispatch for each of them, 2-2.5 ms of a 10-13 ms step on ``cpu-small`` on a 2-core
 AMD EPYC (docs/cpu_performance.md, section G). ONNX Runtime runs a graph of the same operations from C++.
 
-How: the graphs are exported from the model's own modules, with the weights left as graph inputs bound to the
-parameters by address (no copy), so weights edited or loaded in place are read as they are. Two shapes of step:
+How: the graphs are exported from the model's own modules, with the weights left as graph inputs. Two shapes of
+step:
 
 - **One graph a step**, on the cache ``Decoder.new_cache`` makes under this runtime: a ``ContiguousKVCache`` of
   fp32 whose keys are token-major, ``[B, Hkv, capacity, D]`` like its values. That is the layout ONNX Runtime's
   ``GroupQueryAttention`` operator reads and writes in place, so the embedding, every layer with its attention, and
   the head run as one graph over the cache's own slabs, with no PyTorch operation between two steps' weight reads.
-  On that machine its zero-context step ran 18-22% faster than the eager one at one thread (section I).
+  Its session holds the weights as initializers, read from the parameters' memory, so ONNX Runtime repacks the
+  matrices into its own layout once, when it makes the session. That copy (about 1.4 times the weights' bytes
+  again, measured as the process's peak) streams faster: the zero-context step took 6.4-7.5 ms against 8.1-9.9
+  with the weights bound, on cpu-small (section L). A weight changed in place bumps its version, and the next
+  step makes the session again (about 0.2 s on cpu-small). A model whose parameters were made under inference mode
+  keeps no versions, so its weights are bound instead, as below.
 - **Two graphs a layer**, on every other cache: each block is split at attention (``Block.before_attention`` and
   ``Block.after_attention``), and attention runs in between, in PyTorch, through the cache's own ``append`` and
   ``attend``. Every cache kvlab has (paged, windowed, quantized, heavy hitters, shared prefixes, key-major slabs)
-  works unchanged and reads the bytes it always read. About 0.1 ms a layer stays in Python; 7-15% faster than eager
-  (section H).
+  works unchanged and reads the bytes it always read. The weights are bound to the parameters by address (no
+  copy), so weights edited or loaded in place are read as they are. About 0.1 ms a layer stays in Python; 7-15%
+  faster than eager (section H).
 
 It covers what ``unsupported`` does not name: dense fp32 MHA/GQA/MQA models on the CPU, one new token per sequence
 (prefill stays eager: it runs once per request, and its products are compute-bound). It runs the model's modules as
@@ -118,8 +124,9 @@ _TRACED = {"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).
 
 
 class _Graph:
-    """One exported graph: its ONNX model, an ONNX Runtime session of it per thread count, and the parameters (by name
-    in the module it came from) that it reads besides its activation inputs."""
+    """One exported graph: its ONNX model, the parameters (by name in the module it came from) that it reads besides
+    its activation inputs, and the ONNX Runtime sessions that run it with the parameters bound, one per thread count.
+    (``session_holding`` makes sessions that hold them as initializers instead.)"""
 
     def __init__(
         self,
@@ -166,29 +173,51 @@ class _Graph:
         for m, training in modes.items():
             m.training = training
         self.onnx = buffer.getvalue()
-        self.sessions: dict[int, object] = {}  # onnxruntime.InferenceSession by thread count
+        self.sessions: dict[int, object] = {}  # onnxruntime.InferenceSession by thread count, weights bound
         names = [i.name for i in onnx.load_from_string(self.onnx).graph.input]
         self.parameters = [name.removeprefix("m.") for name in names if name not in inputs]
 
     def session(self, threads: int):
-        """An ONNX Runtime session of this graph on ``threads`` threads (the caller's and ``threads - 1`` of its own),
-        made at first use.
-
-        Its threads spin within a run and stop at its end (``session.force_spinning_stop``): left spinning after a
-        run, they took the cores from PyTorch's OpenMP threads, and steps took up to twice as long
-        (docs/cpu_performance.md, sections H and I)."""
+        """An ONNX Runtime session of this graph on ``threads`` threads, made at first use, that reads its parameters
+        from bindings (``bind``)."""
         if threads not in self.sessions:
             import onnxruntime
 
-            options = onnxruntime.SessionOptions()
-            options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
-            options.add_session_config_entry("session.force_spinning_stop", "1")
-            # Errors still raise; ONNX Runtime's own log lines would go to stderr, which zeroes a graded cell.
-            options.log_severity_level = 4
             self.sessions[threads] = onnxruntime.InferenceSession(
-                self.onnx, options, providers=["CPUExecutionProvider"]
+                self.onnx, _options(threads), providers=["CPUExecutionProvider"]
             )
         return self.sessions[threads]
+
+    def session_holding(self, module: nn.Module, threads: int) -> tuple[object, list[torch.Tensor]]:
+        """A new session of this graph on ``threads`` threads whose weights are ``module``'s parameters, as
+        initializers read from the parameters' own memory, and the tensors it reads from.
+
+        An initializer is a constant, so ONNX Runtime repacks each weight of a product into its own layout when it
+        makes the session: a second copy of the matrices, which its products then stream faster than weights bound
+        as inputs (a pass over cpu-small's weights at one thread: 6.5 against 7.7 ms; docs/cpu_performance.md,
+        section L). The copy does not follow the parameters: a session holds the values they had when it was made."""
+        import onnx
+        import onnxruntime
+
+        params = {f"m.{name}": module.get_parameter(name).detach() for name in self.parameters}
+        graph = onnx.load_from_string(self.onnx)
+        inputs = [i for i in graph.graph.input if i.name not in params]
+        del graph.graph.input[:]
+        graph.graph.input.extend(inputs)
+        for name, t in params.items():
+            _address(t, name)
+            # Declared as external data, which add_external_initializers then supplies from memory: no copy, and no
+            # file is ever read.
+            init = graph.graph.initializer.add(name=name, data_type=onnx.TensorProto.FLOAT, dims=list(t.shape))
+            init.data_location = onnx.TensorProto.EXTERNAL
+            for key, value in (("location", "in-memory"), ("offset", "0"), ("length", str(t.numel() * 4))):
+                entry = init.external_data.add()
+                entry.key, entry.value = key, value
+        options = _options(threads)
+        values = [onnxruntime.OrtValue.ortvalue_from_numpy(t.numpy()) for t in params.values()]
+        options.add_external_initializers(list(params), values)
+        session = onnxruntime.InferenceSession(graph.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return session, list(params.values())
 
     def bind(
         self,
@@ -208,6 +237,21 @@ class _Graph:
         for name, t in outputs.items():
             bind_output(binding, name, t)
         return session, binding, list(params.values())
+
+
+def _options(threads: int):
+    """ONNX Runtime's session options for ``threads`` threads: the caller's and ``threads - 1`` of its own, and no log
+    lines. Its threads spin within a run and stop at its end (``session.force_spinning_stop``): left spinning after a
+    run, they took the cores from PyTorch's OpenMP threads, and steps took up to twice as long
+    (docs/cpu_performance.md, sections H and I)."""
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    options.add_session_config_entry("session.force_spinning_stop", "1")
+    # Errors still raise; ONNX Runtime's own log lines would go to stderr, which zeroes a graded cell.
+    options.log_severity_level = 4
+    return options
 
 
 # What a binding may point at: fp32 activations and weights, token ids, and GroupQueryAttention's int32 lengths.
@@ -356,8 +400,18 @@ class _WholePlan:
         self.logits_shape = (batch, 1, model.cfg.vocab_size)
         rope = model.rope
         activations = {"tokens": self.tokens, "seqlens": self.seqlens, "inv_freq": rope.inv_freq, "sign": rope.sign}
-        self.session, self.binding, self.weights = step.whole.bind(model, activations, {}, threads)
-        self.weights += [rope.inv_freq, rope.sign]
+        if step.versioned == step.holders:
+            if threads not in step.whole_sessions:
+                step.whole_sessions[threads] = step.whole.session_holding(model, threads)
+            self.session, self.weights = step.whole_sessions[threads]
+            self.binding = self.session.io_binding()
+            for name, t in activations.items():
+                bind_input(self.binding, name, t)
+        else:
+            # A parameter made under inference mode keeps no version, so an edit in place would go unseen by a
+            # session holding its old value: bound, it is read as it is.
+            self.session, self.binding, self.weights = step.whole.bind(model, activations, {}, threads)
+        self.weights = [*self.weights, rope.inv_freq, rope.sign]
         self.cache: weakref.ref[KVCache] | None = None  # the cache whose slabs are bound
 
     def run(self, step: OnnxStep, tokens: torch.Tensor, cache: ContiguousKVCache, logits: torch.Tensor) -> None:
@@ -396,10 +450,11 @@ class OnnxStep:
     ``_reads_in_place``, where ONNX Runtime's ``GroupQueryAttention`` writes and reads the cache's slabs where they
     are; the two halves of a layer and the head (about 0.5 s) on any other cache, around the cache's own attention.
 
-    Each batch size gets its buffers and bindings at its first step; all are bound again when a parameter moved to
-    new memory (``.data =``), any module registered a new parameter or submodule (``load_state_dict(assign=True)``,
-    a replaced layer or RoPE). Steps run one at a time: a lock serialises threads that share
-    the model, since every step at one batch size writes the same buffers.
+    Each batch size gets its buffers and bindings at its first step; all are bound again, and the whole-step graph's
+    sessions made again, when a parameter moved to new memory (``.data =``) or changed in place (its version: a
+    ``load_state_dict``), or any module registered a new parameter or submodule (``load_state_dict(assign=True)``,
+    a replaced layer or RoPE). Steps run one at a time: a lock serialises threads that share the model, since every
+    step at one batch size writes the same buffers.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -464,6 +519,8 @@ class OnnxStep:
 
     def _forget_plans(self) -> None:
         self.plans: dict[tuple[int, int], _Plan | _WholePlan] = {}  # by batch and threads (0: the split graphs)
+        # The whole-step graph's sessions by thread count, each holding the weights' values when it was made.
+        self.whole_sessions: dict[int, tuple[object, list[torch.Tensor]]] = {}
         self.registrations = _registrations
         # Where each parameter is held, so that a step can see cheaply whether one moved (walking model.parameters()
         # each step took 0.1 ms, 1% of a step).
@@ -471,9 +528,16 @@ class OnnxStep:
             (m._parameters, n) for m in self.model.modules() for n, p in m._parameters.items() if p is not None
         ]
         self.addresses = self._addresses()
+        # An edit in place (load_state_dict, an optimizer's step) bumps a tensor's version; a tensor made under
+        # inference mode has none (``_WholePlan`` then binds the weights).
+        self.versioned = [(holder, name) for holder, name in self.holders if not holder[name].is_inference()]
+        self.versions = self._versions()
 
     def _addresses(self) -> list[int]:
         return [holder[name].data_ptr() for holder, name in self.holders]
+
+    def _versions(self) -> list[int]:
+        return [holder[name]._version for holder, name in self.versioned]
 
     def _reads_in_place(self, cache: KVCache) -> bool:
         """Whether a step on ``cache`` runs as one graph, attention included: a ``ContiguousKVCache`` of fp32 with keys
@@ -482,14 +546,16 @@ class OnnxStep:
         return self.one_graph and type(cache) is ContiguousKVCache and not cache.key_major and cache.codec == "fp32"
 
     def _stale(self) -> bool:
-        """Whether a binding may point at memory the model no longer reads: a cast or a move changes every address,
-        and ``del model.layers[i]`` registers nothing. Checked at every step, so kept cheap: the checks before a
-        run find their code and data evicted by the previous run's weights, and cost several times what they
-        cost in a loop of their own (docs/cpu_performance.md, section I)."""
+        """Whether a binding may point at memory the model no longer reads (a cast or a move changes every address,
+        and ``del model.layers[i]`` registers nothing), or a session holds weights the model has since changed in
+        place. Checked at every step, so kept cheap: the checks before a run find their code and data evicted by the
+        previous run's weights, and cost several times what they cost in a loop of their own
+        (docs/cpu_performance.md, section I)."""
         return (
             self.registrations != _registrations
             or len(self.model.layers) != self.model.cfg.n_layers
             or self._addresses() != self.addresses
+            or self._versions() != self.versions
         )
 
     def __call__(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
