@@ -400,7 +400,7 @@ class _WholePlan:
         self.logits_shape = (batch, 1, model.cfg.vocab_size)
         rope = model.rope
         activations = {"tokens": self.tokens, "seqlens": self.seqlens, "inv_freq": rope.inv_freq, "sign": rope.sign}
-        if step.versioned == step.holders:
+        if len(step.versioned) == len(step.holders):  # every parameter keeps a version
             if threads not in step.whole_sessions:
                 step.whole_sessions[threads] = step.whole.session_holding(model, threads)
             self.session, self.weights = step.whole_sessions[threads]
