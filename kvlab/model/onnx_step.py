@@ -188,9 +188,10 @@ class _Graph:
             )
         return self.sessions[threads]
 
-    def session_holding(self, module: nn.Module, threads: int) -> tuple[object, list[torch.Tensor]]:
+    def session_holding(self, module: nn.Module, threads: int) -> tuple[object, list[object]]:
         """A new session of this graph on ``threads`` threads whose weights are ``module``'s parameters, as
-        initializers read from the parameters' own memory, and the tensors it reads from.
+        initializers read from the parameters' own memory, and what must outlive it: the parameters' tensors and the
+        ONNX Runtime values over them.
 
         An initializer is a constant, so ONNX Runtime repacks each weight of a product into its own layout when it
         makes the session: a second copy of the matrices, which its products then stream faster than weights bound
@@ -217,7 +218,7 @@ class _Graph:
         values = [onnxruntime.OrtValue.ortvalue_from_numpy(t.numpy()) for t in params.values()]
         options.add_external_initializers(list(params), values)
         session = onnxruntime.InferenceSession(graph.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        return session, list(params.values())
+        return session, [*params.values(), *values]
 
     def bind(
         self,
@@ -520,7 +521,7 @@ class OnnxStep:
     def _forget_plans(self) -> None:
         self.plans: dict[tuple[int, int], _Plan | _WholePlan] = {}  # by batch and threads (0: the split graphs)
         # The whole-step graph's sessions by thread count, each holding the weights' values when it was made.
-        self.whole_sessions: dict[int, tuple[object, list[torch.Tensor]]] = {}
+        self.whole_sessions: dict[int, tuple[object, list[object]]] = {}
         self.registrations = _registrations
         # Where each parameter is held, so that a step can see cheaply whether one moved (walking model.parameters()
         # each step took 0.1 ms, 1% of a step).
