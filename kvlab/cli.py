@@ -448,6 +448,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
     from kvlab.model.onnx_step import one_graph_covers
+    from kvlab.model.weights import numpy_openblas
 
     contexts = _contexts(args)
     if args.fill not in ("fast", "prefill"):
@@ -471,6 +472,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     engine = f"runtime {sweep.runtime}"
     if sweep.runtime == "onnx":
         engine += " (one graph a step)" if one_graph_covers(cfg) else " (two graphs a layer, attention between)"
+    elif str(sweep.device) == "cpu" and n_threads == batch == 1 and cfg.dtype == "fp32" and numpy_openblas():
+        engine += " (one-row products on numpy's OpenBLAS)"
     print(
         f"{cfg.name} ({cfg.dtype}) on {sweep.device}, batch {batch}, {n_threads} thread{'s' * (n_threads > 1)}, "
         f"{engine}; "

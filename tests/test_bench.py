@@ -11,6 +11,7 @@ from kvlab.machine.timing import Bandwidth
 from kvlab.measure.step_time import breakdown, breakdown_table
 from kvlab.measure.sweep import Arm, interleaved_sweeps, sweep_context
 from kvlab.metrics import RequestTiming, fit_line, percentile, summarize
+from kvlab.model.weights import numpy_openblas
 from kvlab.roofline import weight_bytes_read
 
 from .helpers import tiny_config
@@ -148,12 +149,15 @@ def test_a_sweep_of_one_context_has_no_line_and_says_so():
 
 @pytest.mark.slow
 def test_bench_of_one_context_prints_its_tpot_and_says_there_is_no_line(tmp_path):
-    """Runs the installed entry point, as a learner would."""
-    cmd = [sys.executable, "-m", "kvlab.cli", "bench", "--preset", "cpu-tiny", "--contexts", "128"]
+    """Runs the installed entry point, as a learner would. At one thread its header says whether one-row products
+    ran on numpy's OpenBLAS (kvlab.model.weights), which this machine's answer decides."""
+    cmd = [sys.executable, "-m", "kvlab.cli", "bench", "--preset", "cpu-tiny", "--contexts", "128", "--threads", "1"]
     cmd += ["--tokens", "3", "--requests", "1", "--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "no line to fit" in result.stdout and "Traceback" not in result.stderr
+    on_openblas = "runtime eager (one-row products on numpy's OpenBLAS)" in result.stdout
+    assert on_openblas == (numpy_openblas() is not None), result.stdout
     assert [p["context"] for p in json.loads((tmp_path / "b.json").read_text())["points"]] == [128]
 
 
