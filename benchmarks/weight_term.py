@@ -16,13 +16,13 @@ of load from elsewhere slows each a little rather than one a lot:
    thread count through threadpoolctl), and int8 through PyTorch's dynamic quantized linear (what
    ``Decoder(weight_dtype="int8")`` runs), whose bytes are a quarter;
 3. the model's zero-context decode step, against the weight bytes over the read bandwidth (predicted), and, where
-   its one-row products run on OpenBLAS, the same step with them on MKL; the eager
-   floor: the same step written as one flat module (``benchmarks/flat_step.py``), with no modules inside, no cache
-   object and no checks, about as few PyTorch calls as eager mode allows; and, where ``onnxruntime`` and ``onnx``
-   are installed, each in a loop of its own, the model's step with ``runtime="onnx"`` on its ``new_cache`` (one
-   ONNX Runtime graph a step, attention included: ``kvlab.model.onnx_step``), and the flat module exported and run
-   whole by ONNX Runtime, with its weights inside the graph. The gap between the model and the floor is kvlab's own
-   overhead; between the floor and ONNX Runtime, PyTorch's cost per call;
+   its one-row products run on OpenBLAS, the same step with them on MKL; the eager floor: the same step written as
+   one flat module (``benchmarks/flat_step.py``), with no modules inside, no cache object and no checks, about as
+   few PyTorch calls as eager mode allows; and, where ``onnxruntime`` and ``onnx`` are installed, each in a loop of
+   its own, the model's step with ``runtime="onnx"`` and ``"onnx-packed"`` on its ``new_cache`` (one ONNX Runtime
+   graph a step, attention included: ``kvlab.model.onnx_step``), and the flat module exported and run whole by ONNX
+   Runtime, with its weights inside the graph. The gap between the model and the floor is kvlab's own overhead;
+   between the floor and ONNX Runtime, PyTorch's cost per call;
 4. at more than one thread, the weights the model cuts into column blocks (``kvlab.model.weights.splits_columns``):
    a pass over them by ``x @ W`` and by ``column_blocks_matmul``, at 1, 2, 4 and 8 rows.
 
@@ -61,7 +61,7 @@ from kvlab.machine.timing import (
 )
 from kvlab.measure.step_time import layer_weights
 from kvlab.model import weights as weight_kernels
-from kvlab.model.onnx_step import unsupported
+from kvlab.model.onnx_step import ONNX_RUNTIMES, unsupported
 from kvlab.model.weights import WeightFormat, column_blocks_matmul, numpy_openblas, splits_columns
 from kvlab.roofline import weight_bytes_read
 
@@ -204,7 +204,9 @@ def probes(size_mb: float) -> dict[str, object]:
 
 
 @torch.inference_mode()
-def measure(model: Decoder, onnx_model: Decoder | None, threads: int, repeats: int, clock: str, size_mb: float) -> dict:
+def measure(
+    model: Decoder, runtimes: dict[str, Decoder], threads: int, repeats: int, clock: str, size_mb: float
+) -> dict:
     torch.set_num_threads(threads)
     candidates, nbytes = matvec_candidates(model)
     steps = {f"step, {model.weight_dtype}": zero_context_step(model)}
@@ -225,8 +227,8 @@ def measure(model: Decoder, onnx_model: Decoder | None, threads: int, repeats: i
     # ONNX Runtime's steps, each in a loop of its own. At more than one thread their sessions' threads spin within a
     # run, and next to PyTorch's OpenMP threads, which spin for a while after each of PyTorch's steps, both slowed.
     alone = {}
-    if onnx_model is not None:
-        alone["step, runtime='onnx', own loop"] = zero_context_step(onnx_model)
+    for runtime, runtime_model in runtimes.items():
+        alone[f"step, {runtime}, own loop"] = zero_context_step(runtime_model)
     onnx = onnx_step(flat, threads) if flat is not None else None
     if onnx is not None:
         alone["onnxruntime, whole flat step"] = lambda: onnx(*zero)
@@ -296,12 +298,13 @@ def main() -> None:
     if args.clock == "thread" and thread_counts != [1]:
         raise ValueError(f"--clock thread with --threads {args.threads}; allowed: --threads 1 (it counts one thread)")
     model = Decoder(get_model(args.preset), device="cpu")
-    onnx_model, why_not = None, unsupported(model)
-    if why_not is None:
-        onnx_model = Decoder(model.cfg, device="cpu", runtime="onnx")
-        onnx_model.load_state_dict(model.state_dict())
-    else:
-        print(f"runtime='onnx' skipped: {why_not}")
+    # kvlab's ONNX Runtime steps, each on a model of its own with the same weights.
+    runtimes, why_not = {}, unsupported(model)
+    for runtime in ONNX_RUNTIMES if why_not is None else ():
+        runtimes[runtime] = Decoder(model.cfg, device="cpu", runtime=runtime)
+        runtimes[runtime].load_state_dict(model.state_dict())
+    if why_not is not None:
+        print(f"runtime='onnx' and 'onnx-packed' skipped: {why_not}")
     print("environment:", json.dumps(machine_info()), "| OPENBLAS_NUM_THREADS:", os.environ.get("OPENBLAS_NUM_THREADS"))
     # Outside numpy's own loop its BLAS stays at one thread: OpenBLAS's idle threads spin, and beside torch's two
     # they took the second CPU from every other two-thread measurement.
@@ -315,14 +318,14 @@ def main() -> None:
         print(f"eager floor: the model's logits over 8 steps, largest difference {floor_diff:.1e}")
         if onnx_diff is not None:
             print(f"onnxruntime, whole flat step: the model's logits over 8 steps, largest difference {onnx_diff:.1e}")
-    if onnx_model is not None:
+    for runtime, runtime_model in runtimes.items():
         with torch.inference_mode():
-            runtime_diff = max_logit_diff(model, onnx_model, list(range(1, 9)))
-        print(f"runtime='onnx': the model's logits over 8 steps, largest difference {runtime_diff:.1e}")
+            runtime_diff = max_logit_diff(model, runtime_model, list(range(1, 9)))
+        print(f"runtime='{runtime}': the model's logits over 8 steps, largest difference {runtime_diff:.1e}")
     size_mb = bandwidth_buffer_mb(quick=args.quick)
     results = []
     for t in thread_counts:
-        results.append(measure(model, onnx_model, t, args.repeats, args.clock, size_mb))
+        results.append(measure(model, runtimes, t, args.repeats, args.clock, size_mb))
         print("\n".join(report(results[-1], args.preset)))
     print(
         "\n"
@@ -334,7 +337,8 @@ def main() -> None:
                 "eager floor: the same step with kvlab's modules, cache object and checks taken out (FlatStep); what "
                 "is left above the weight bytes is PyTorch's cost per call.",
                 "runtime='onnx': kvlab's step under Decoder(cfg, runtime='onnx') on the model's own new_cache (one "
-                "ONNX Runtime graph a step, attention included, on torch's thread count), timed in a loop of its own.",
+                "ONNX Runtime graph a step, attention included, on torch's thread count), timed in a loop of its own; "
+                "'onnx-packed': the same graph holding a copy of the weights repacked by ONNX Runtime.",
                 "onnxruntime, whole flat step: the flat step exported to ONNX and run by ONNX Runtime's C++ executor "
                 "(timed in a loop of its own), with no Python per operation and no cache object: a ceiling.",
             ]
@@ -344,8 +348,8 @@ def main() -> None:
     if len(thread_counts) > 1 and args.clock == "wall":
         with torch.inference_mode():
             alternating = {"eager": steps_alternating(model, thread_counts, args.repeats)}
-            if onnx_model is not None:
-                alternating["onnx"] = steps_alternating(onnx_model, thread_counts, args.repeats)
+            for runtime, runtime_model in runtimes.items():
+                alternating[runtime] = steps_alternating(runtime_model, thread_counts, args.repeats)
         for runtime, by_threads in alternating.items():
             print(
                 f"zero-context step, runtime {runtime}, thread counts alternating call by call: "

@@ -362,7 +362,7 @@ def measure_sweep(
     """Decode the runnable ``preset`` on this machine at each context (tokens): ``kvlab bench``'s measurement, which
     ``kvlab report --measure`` runs too. Returns the config it ran (max context raised to fit) and the
     ``kvlab.measure.sweep.Sweep``, whose prediction uses the read bandwidth measured in the same run. ``runtime``
-    is ``Decoder``'s (``"eager"``, or ``"onnx"`` for ONNX Runtime on the CPU)."""
+    is ``Decoder``'s (``"eager"``, or ``"onnx"`` and ``"onnx-packed"`` for ONNX Runtime on the CPU)."""
     import torch
 
     from kvlab.measure.sweep import sweep_context
@@ -376,7 +376,9 @@ def measure_sweep(
     capacity = max(contexts) + 64
     if capacity > cfg.max_seq_len:
         cfg = cfg.replace(max_seq_len=capacity)
-    if runtime == "onnx" and device is None:
+    from kvlab.model.onnx_step import ONNX_RUNTIMES
+
+    if runtime in ONNX_RUNTIMES and device is None:
         device = "cpu"  # ONNX Runtime's CPU provider: not CUDA, even where it is present
     _check_runtime(runtime, cfg, device)
     model = Decoder(cfg, device=_device(device))
@@ -394,18 +396,22 @@ def _device(name: str | None):
 
 
 def _check_runtime(runtime: str, cfg: ModelConfig, device) -> None:
-    """Refuse ``--runtime onnx`` for a model it cannot run, in the command line's terms: before a model is built."""
-    if runtime != "onnx":
+    """Refuse ``--runtime onnx`` (or ``onnx-packed``) for a model it cannot run, in the command line's terms: before a
+    model is built."""
+    from kvlab.model.onnx_step import ONNX_RUNTIMES
+
+    if runtime not in ONNX_RUNTIMES:
         return
     if cfg.dtype != "fp32":
         fp32 = ", ".join(name for name, c in model_presets().items() if c.runnable and c.dtype == "fp32")
         raise UsageError(
-            f"--runtime: onnx runs fp32 models, and {cfg.name} is {cfg.dtype}; allowed: --runtime eager, or an fp32 "
-            f"model ({fp32})"
+            f"--runtime: {runtime} runs fp32 models, and {cfg.name} is {cfg.dtype}; allowed: --runtime eager, or an "
+            f"fp32 model ({fp32})"
         )
     if str(device).split(":")[0] != "cpu":
         raise UsageError(
-            f"--runtime: onnx runs on the CPU, and the model is on {device}; allowed: --device cpu, or --runtime eager"
+            f"--runtime: {runtime} runs on the CPU, and the model is on {device}; allowed: --device cpu, or --runtime "
+            "eager"
         )
 
 
@@ -419,7 +425,8 @@ def _set_runtime(model, runtime: str) -> None:
 
 
 def _contexts(args: argparse.Namespace) -> list[int]:
-    given = [c.strip() for c in (args.contexts or DEFAULT_BENCH_CONTEXTS).split(",") if c.strip()]
+    text = DEFAULT_BENCH_CONTEXTS if args.contexts is None else args.contexts
+    given = [c.strip() for c in text.split(",") if c.strip()]
     if not given:
         raise UsageError(f"--contexts: {args.contexts!r} names no length; allowed: comma-separated, e.g. 2k,8k,16k")
     contexts: dict[int, str] = {}
@@ -447,7 +454,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise UsageError(f"{flag}: only with --endpoint URL (it measures a server, not this machine)")
     import torch
 
-    from kvlab.model.onnx_step import one_graph_covers
+    from kvlab.model.onnx_step import ONNX_RUNTIMES, one_graph_covers
     from kvlab.model.weights import numpy_openblas
 
     contexts = _contexts(args)
@@ -470,7 +477,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bw = sweep.bandwidth
     n_threads = torch.get_num_threads()
     engine = f"runtime {sweep.runtime}"
-    if sweep.runtime == "onnx":
+    if sweep.runtime in ONNX_RUNTIMES:
         engine += " (one graph a step)" if one_graph_covers(cfg) else " (two graphs a layer, attention between)"
     elif str(sweep.device) == "cpu" and n_threads == batch == 1 and cfg.dtype == "fp32" and numpy_openblas():
         engine += " (one-row products on numpy's OpenBLAS)"
@@ -570,7 +577,7 @@ def cmd_bench_endpoint(args: argparse.Namespace) -> int:
         raise UsageError(
             "--trace: its requests set their own lengths; allowed: --trace alone, or --input-len, or --contexts"
         )
-    contexts = _contexts(args) if args.contexts else None  # before the server is asked anything
+    contexts = None if args.contexts is None else _contexts(args)  # before the server is asked anything
     try:
         tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
         request = RequestOptions(endpoint_type, bool(args.ignore_eos), tokenizer)
@@ -877,8 +884,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--runtime",
         default=None,
-        help="what runs the decode step: eager (PyTorch, the default) or onnx (ONNX Runtime, one graph a step where "
-        "the model allows, on --threads threads; CPU, fp32, MHA/GQA/MQA; pip install -e .[onnx])",
+        help="what runs the decode step: eager (PyTorch, the default), onnx (ONNX Runtime, one graph a step where "
+        "the model allows, on --threads threads; CPU, fp32, MHA/GQA/MQA; pip install -e .[onnx]), or onnx-packed "
+        "(onnx, its one graph holding a repacked copy of the weights: faster, more memory)",
     )
     b.add_argument("--json", help="write the results as JSON here")
     b.add_argument("--plot", help="write a measured-vs-predicted plot here (PNG)")
@@ -934,7 +942,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt blocks")
     s.add_argument(
         "--runtime",
-        help="what runs decode steps: eager (default) or onnx (ONNX Runtime, CPU, fp32; pip install -e .[onnx])",
+        help="what runs decode steps: eager (default) or onnx (ONNX Runtime, CPU, fp32; pip install -e .[onnx]); "
+        "onnx-packed serves as onnx does (its paged cache runs two graphs a layer, which bind the weights)",
     )
     s.add_argument("--blocks", help="KV blocks in the pool (default: --max-batch requests at the full context)")
     s.add_argument("--block-size", default="16", help="tokens per block (default 16)")

@@ -34,16 +34,16 @@ needs_onnxruntime = pytest.mark.skipif(
 TOL = dict(rtol=1e-4, atol=1e-4)
 
 
-def pair(cfg, seed: int = 3) -> tuple[Decoder, Decoder]:
+def pair(cfg, seed: int = 3, runtime: str = "onnx") -> tuple[Decoder, Decoder]:
     """An eager model with random norm weights (at their initial ones, a graph that skipped a norm would still
-    match) and the same weights under ``runtime="onnx"``."""
+    match) and the same weights under ``runtime`` (``"onnx"`` or ``"onnx-packed"``)."""
     eager = Decoder(cfg, device="cpu", seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in eager.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
-    onnx = Decoder(cfg, device="cpu", runtime="onnx")
+    onnx = Decoder(cfg, device="cpu", runtime=runtime)
     onnx.load_state_dict(eager.state_dict())
     return eager, onnx
 
@@ -358,13 +358,24 @@ def test_onnx_runtime_reads_the_weights_as_they_are_now(key_major: bool) -> None
 
 
 @needs_onnxruntime
+@pytest.mark.parametrize("overrides", [{}, {"tie_embeddings": True, "n_kv_heads": 1}], ids=["gqa", "tied-mqa"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_onnx_packed_computes_the_eager_steps_logits_in_one_graph(overrides, batch, graph_runs) -> None:
+    eager, packed = pair(tiny_config(**overrides), runtime="onnx-packed")
+    assert packed.runtime == "onnx-packed"
+    tokens = torch.randint(0, eager.cfg.vocab_size, (batch, 10), generator=torch.Generator().manual_seed(6))
+    assert decode_both(eager, packed, lambda m: m.new_cache(batch, 16), tokens, 4) == 6
+    assert graph_runs[0] == 6 and len(packed._onnx_step.whole_sessions) == 1  # one graph a step, holding the weights
+
+
+@needs_onnxruntime
 @pytest.mark.parametrize("inference_tensors", [False, True], ids=["versioned", "made-under-inference-mode"])
-def test_onnx_runtime_in_one_graph_reads_weights_changed_in_place(inference_tensors: bool) -> None:
-    """The whole-step graph's session holds the weights (repacked by ONNX Runtime) where the parameters keep
-    versions: a checkpoint loaded in place, or a weight scaled in place, makes the next step's session anew.
-    Parameters made under inference mode keep none, so their weights are bound and read as they are."""
+def test_onnx_packed_reads_weights_changed_through_the_parameters(inference_tensors: bool) -> None:
+    """Under onnx-packed the whole-step graph's session holds the weights (repacked by ONNX Runtime) where the
+    parameters keep versions: a checkpoint loaded in place, or a weight scaled in place, makes the next step's session
+    anew. Parameters made under inference mode keep none, so their weights are bound and read as they are."""
     with torch.inference_mode(inference_tensors):
-        eager, onnx = pair(tiny_config())
+        eager, onnx = pair(tiny_config(), runtime="onnx-packed")
     token = torch.tensor([7])
 
     def logits(model: Decoder) -> torch.Tensor:
@@ -388,6 +399,29 @@ def test_onnx_runtime_in_one_graph_reads_weights_changed_in_place(inference_tens
     scaled = logits(onnx)
     assert not torch.allclose(scaled, loaded)
     torch.testing.assert_close(scaled, logits(eager), **TOL)
+
+
+@needs_onnxruntime
+def test_a_write_through_data_is_read_under_onnx_and_under_onnx_packed_once_the_runtime_is_set_again() -> None:
+    """``.data`` and numpy views bump no version. Under onnx the whole-step graph binds the weights, so it reads such a
+    write at the next step; under onnx-packed its session keeps the values it was made with until the runtime is set
+    again (the module docstring says so)."""
+    eager, onnx = pair(tiny_config())
+    packed = Decoder(eager.cfg, device="cpu", runtime="onnx-packed")
+    packed.load_state_dict(eager.state_dict())
+    token = torch.tensor([7])
+
+    def logits(model: Decoder) -> torch.Tensor:
+        with torch.inference_mode():
+            return model.decode_step(token, model.new_cache(1, 8))
+
+    torch.testing.assert_close(logits(packed), logits(eager), **TOL)
+    for model in (eager, onnx, packed):
+        model.layers[1].mlp.w_down.data.mul_(3)
+    want = logits(eager)
+    torch.testing.assert_close(logits(onnx), want, **TOL)
+    packed.runtime = "onnx-packed"
+    torch.testing.assert_close(logits(packed), want, **TOL)
 
 
 @needs_onnxruntime

@@ -4,7 +4,10 @@ weight_dtype."""
 import sys
 import threading
 import warnings
+from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from torch.testing import assert_close
@@ -224,24 +227,37 @@ def test_a_single_sequence_step_at_one_thread_runs_on_openblas_and_matches_torch
     assert_close(ours, step(1), rtol=1e-5, atol=1e-5)
 
 
-def test_one_row_products_leave_torch_only_when_nothing_needs_torch(threads):
+class _OneThreadBLAS:
+    """Stands in for numpy's OpenBLAS as threadpoolctl controls it, already at one thread: so that the conditions on
+    the OpenBLAS route are tested on every machine, not only where ``numpy_openblas()`` finds one."""
+
+    def get_num_threads(self) -> int:
+        return 1
+
+
+def test_one_row_products_leave_torch_only_when_nothing_needs_torch(monkeypatch, threads):
     threads(1)
+    monkeypatch.setattr(kvlab.model.weights, "numpy_openblas", _OneThreadBLAS)
     w, x = torch.nn.Parameter(torch.randn(64, 32)), torch.randn(1, 1, 64)
     on = kvlab.model.weights.runs_on_openblas
-    with torch.no_grad():
-        assert on(x, w) == (kvlab.model.weights.numpy_openblas() is not None)
+    with torch.inference_mode():
+        assert on(x, w) and on(x[0, 0], w)  # one row, [1, 1, in] or [in]
         assert not on(torch.randn(2, 64), w)  # two rows
         assert not on(x, torch.randn(32, 64).T)  # a tied head's transposed view: not contiguous
         assert not on(x.double(), w.double()) and not on(x.bfloat16(), w.bfloat16())
-    assert not on(x, w)  # a gradient to carry: torch's product
+        assert not on(torch.tensor(1.0), torch.randn(1, 32))  # a 0-d row: x @ w's own error
+    with torch.no_grad():
+        assert not on(x, w)  # outside inference mode a transform may be watching: torch's product
+    assert not on(x, w)
 
-    # A trace must record torch's MatMul, not a constant numpy computed while tracing.
+    # A trace (an ONNX export runs inside a decode step, so under inference mode) must record torch's MatMul, not a
+    # constant numpy computed while tracing.
     fmt, weight = WeightFormat("fp32"), w.detach()
-    with torch.no_grad(), warnings.catch_warnings():
+    with torch.inference_mode(), warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.trace is; onnx_step's exporter traces with it
         traced = torch.jit.trace(lambda row: fmt.matmul(row, weight), (x,))
-    other = torch.randn(1, 1, 64)
-    assert_close(traced(other), other @ weight, rtol=1e-5, atol=1e-5)
+        other = torch.randn(1, 1, 64)
+        assert_close(traced(other), other @ weight, rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture
@@ -251,13 +267,36 @@ def fresh_openblas_choice():
     kvlab.model.weights.numpy_openblas.cache_clear()
 
 
-def test_only_an_amd_cpu_with_threadpoolctl_moves_products_to_openblas(monkeypatch, fresh_openblas_choice):
-    monkeypatch.setattr(kvlab.model.weights, "cpu_vendor", lambda: "Intel")
-    assert kvlab.model.weights.numpy_openblas() is None
-    kvlab.model.weights.numpy_openblas.cache_clear()
-    monkeypatch.setattr(kvlab.model.weights, "cpu_vendor", lambda: "AMD")
+def test_numpy_openblas_is_numpys_own_and_only_where_it_was_measured_to_win(monkeypatch, fresh_openblas_choice):
+    """Fake libraries, so that every branch runs on any machine: numpy's own OpenBLAS is picked among several, a lone
+    one (a conda numpy's) is taken, and an Intel CPU, a torch without MKL, a numpy on another BLAS, two candidates
+    with neither numpy's, or no threadpoolctl keep torch's product."""
+    import threadpoolctl
+
+    weights = kvlab.model.weights
+    site = Path(np.__file__).resolve().parent.parent
+    own = SimpleNamespace(internal_api="openblas", filepath=str(site / "numpy.libs" / "libscipy_openblas64_-1.so"))
+    conda = SimpleNamespace(internal_api="openblas", filepath="/opt/conda/lib/libopenblasp-r0.3.so")
+    scipy = SimpleNamespace(internal_api="openblas", filepath=str(site / "scipy.libs" / "libscipy_openblas-2.so"))
+    omp = SimpleNamespace(internal_api="openmp", filepath="/usr/lib/libgomp.so.1")
+
+    def choice(libs, blas="scipy-openblas", vendor="AMD", mkl=True):
+        weights.numpy_openblas.cache_clear()
+        monkeypatch.setattr(threadpoolctl, "ThreadpoolController", lambda: SimpleNamespace(lib_controllers=libs))
+        monkeypatch.setattr(weights, "cpu_vendor", lambda: vendor)
+        monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: mkl)
+        monkeypatch.setattr(np, "show_config", lambda mode: {"Build Dependencies": {"blas": {"name": blas}}})
+        return weights.numpy_openblas()
+
+    assert choice([omp, scipy, own]) is own
+    assert choice([omp, conda], blas="openblas") is conda
+    assert choice([conda, scipy]) is None  # two, neither inside numpy: not guessed
+    assert choice([omp]) is None
+    assert choice([own], blas="mkl-sdl") is None and choice([own], blas="accelerate") is None
+    assert choice([own], vendor="Intel") is None and choice([own], vendor="other") is None
+    assert choice([own], mkl=False) is None
     monkeypatch.setitem(sys.modules, "threadpoolctl", None)  # not installed
-    assert kvlab.model.weights.numpy_openblas() is None
+    assert choice([own]) is None
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ from kvlab.machine.device import resolve_device
 from kvlab.model.attention import Attention
 from kvlab.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from kvlab.model.mla import MLAAttention
-from kvlab.model.onnx_step import RUNTIMES, OnnxStep, one_graph_covers
+from kvlab.model.onnx_step import ONNX_RUNTIMES, RUNTIMES, OnnxStep, one_graph_covers
 from kvlab.model.weights import WEIGHT_DTYPES, WeightFormat
 from kvlab.spec.config import ModelConfig
 from kvlab.spec.dtypes import KV_DTYPES, canonical_dtype, to_torch
@@ -68,7 +68,8 @@ class Decoder(nn.Module):
     ``weight_dtype`` (``kvlab.model.weights.WEIGHT_DTYPES``, default fp32) is the precision the projections and the LM
     head read their weights in; the parameters themselves stay fp32 (``kvlab.model.weights``). With another precision,
     ``cfg`` records it in ``weight_dtypes``, so the byte model (``kvlab.roofline``) charges those bytes.
-    ``runtime`` (``"eager"`` or ``"onnx"``) is what runs ``decode_step``: see the ``runtime`` property.
+    ``runtime`` (``"eager"``, ``"onnx"`` or ``"onnx-packed"``) is what runs ``decode_step``: see the ``runtime``
+    property.
     """
 
     def __init__(
@@ -111,16 +112,18 @@ class Decoder(nn.Module):
 
     @property
     def runtime(self) -> str:
-        """What runs ``decode_step``: ``"eager"`` (PyTorch, every model and device) or ``"onnx"`` (ONNX Runtime: the
+        """What runs ``decode_step``: ``"eager"`` (PyTorch, every model and device), ``"onnx"`` (ONNX Runtime: the
         whole step as one graph on the cache ``new_cache`` makes, the dense parts around the cache's own attention on
-        any other; ``kvlab.model.onnx_step``). Settable, e.g. after loading a checkpoint."""
-        return "eager" if self._onnx_step is None else "onnx"
+        any other; ``kvlab.model.onnx_step``), or ``"onnx-packed"`` (the same, with the whole-step graph holding a
+        copy of the weights repacked for ONNX Runtime's products: faster, more memory, and blind to writes through
+        ``.data``). Settable, e.g. after loading a checkpoint."""
+        return "eager" if self._onnx_step is None else self._onnx_step.runtime
 
     @runtime.setter
     def runtime(self, runtime: str) -> None:
         if runtime not in RUNTIMES:
             raise ValueError(f"runtime: {runtime!r}; allowed: {', '.join(map(repr, RUNTIMES))}")
-        self._onnx_step = OnnxStep(self) if runtime == "onnx" else None
+        self._onnx_step = OnnxStep(self, packed=runtime == "onnx-packed") if runtime in ONNX_RUNTIMES else None
 
     @torch.no_grad()
     def reset_parameters(self, seed: int | None = 0) -> None:
@@ -167,7 +170,7 @@ class Decoder(nn.Module):
             return LatentKVCache.for_model(self, batch_size, capacity, codec=codec)
         if local:
             return WindowKVCache.for_model(self, batch_size, capacity, window=cfg.layer_windows, codec=codec)
-        one_graph = self.runtime == "onnx" and codec == "fp32" and one_graph_covers(cfg)
+        one_graph = self.runtime in ONNX_RUNTIMES and codec == "fp32" and one_graph_covers(cfg)
         return ContiguousKVCache.for_model(self, batch_size, capacity, codec=codec, key_major=not one_graph)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:

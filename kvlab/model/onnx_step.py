@@ -12,18 +12,22 @@ step:
   fp32 whose keys are token-major, ``[B, Hkv, capacity, D]`` like its values. That is the layout ONNX Runtime's
   ``GroupQueryAttention`` operator reads and writes in place, so the embedding, every layer with its attention, and
   the head run as one graph over the cache's own slabs, with no PyTorch operation between two steps' weight reads.
-  Its session holds the weights as initializers, read from the parameters' memory, so ONNX Runtime repacks the
-  matrices into its own layout once, when it makes the session. That copy (about 1.4 times the weights' bytes
-  again, measured as the process's peak) streams faster: the zero-context step took 6.4-7.5 ms against 8.1-9.9
-  with the weights bound, on cpu-small (section L). A weight changed in place bumps its version, and the next
-  step makes the session again (about 0.2 s on cpu-small). A model whose parameters were made under inference mode
-  keeps no versions, so its weights are bound instead, as below.
+  Under ``runtime="onnx"`` its weights are bound to the parameters by address (no copy), so weights edited or
+  loaded in place are read as they are. Under ``runtime="onnx-packed"`` its session holds them as initializers,
+  read from the parameters' memory, so ONNX Runtime repacks the matrices into its own layout once, when it makes
+  the session. That copy (about 1.4 times the weights' bytes again per thread count a step has run at, measured as
+  the process's peak) streams faster: the zero-context step took 6.4-7.5 ms against 8.1-9.9 with the weights bound,
+  on cpu-small (section L). It holds the values the weights had when it was made: an edit through the parameter
+  (``load_state_dict``, an operation in place under ``no_grad``) bumps its version and the next step makes the
+  session again (about 0.2 s on cpu-small), but a write through ``.data`` or a numpy view bumps nothing and goes
+  unseen until ``model.runtime = "onnx-packed"`` is set again. A model whose parameters were made under inference
+  mode keeps no versions, so its weights are bound instead, as under ``runtime="onnx"``.
 - **Two graphs a layer**, on every other cache: each block is split at attention (``Block.before_attention`` and
   ``Block.after_attention``), and attention runs in between, in PyTorch, through the cache's own ``append`` and
   ``attend``. Every cache kvlab has (paged, windowed, quantized, heavy hitters, shared prefixes, key-major slabs)
   works unchanged and reads the bytes it always read. The weights are bound to the parameters by address (no
-  copy), so weights edited or loaded in place are read as they are. About 0.1 ms a layer stays in Python; 7-15%
-  faster than eager (section H).
+  copy), so weights edited or loaded in place are read as they are, under either runtime. About 0.1 ms a layer stays
+  in Python; 7-15% faster than eager (section H).
 
 It covers what ``unsupported`` does not name: dense fp32 MHA/GQA/MQA models on the CPU, one new token per sequence
 (prefill stays eager: it runs once per request, and its products are compute-bound). It runs the model's modules as
@@ -52,7 +56,8 @@ from kvlab.model.layers import rope_angles
 
 # ``model`` below is a ``kvlab.model.decoder.Decoder``, which imports this module: typed as the nn.Module it is.
 
-RUNTIMES: tuple[str, ...] = ("eager", "onnx")
+RUNTIMES: tuple[str, ...] = ("eager", "onnx", "onnx-packed")
+ONNX_RUNTIMES: tuple[str, ...] = ("onnx", "onnx-packed")  # the ones this module runs
 Outputs = torch.Tensor | tuple[torch.Tensor, ...]
 INSTALL = "pip install -e .[onnx] (onnx and onnxruntime)"
 
@@ -401,7 +406,7 @@ class _WholePlan:
         self.logits_shape = (batch, 1, model.cfg.vocab_size)
         rope = model.rope
         activations = {"tokens": self.tokens, "seqlens": self.seqlens, "inv_freq": rope.inv_freq, "sign": rope.sign}
-        if len(step.versioned) == len(step.holders):  # every parameter keeps a version
+        if step.packed and len(step.versioned) == len(step.holders):  # every parameter keeps a version
             if threads not in step.whole_sessions:
                 step.whole_sessions[threads] = step.whole.session_holding(model, threads)
             self.session, self.weights = step.whole_sessions[threads]
@@ -409,8 +414,8 @@ class _WholePlan:
             for name, t in activations.items():
                 bind_input(self.binding, name, t)
         else:
-            # A parameter made under inference mode keeps no version, so an edit in place would go unseen by a
-            # session holding its old value: bound, it is read as it is.
+            # Bound: read as they are. (Under onnx-packed, a parameter made under inference mode keeps no version, so
+            # an edit in place would go unseen by a session holding its old value.)
             self.session, self.binding, self.weights = step.whole.bind(model, activations, {}, threads)
         self.weights = [*self.weights, rope.inv_freq, rope.sign]
         self.cache: weakref.ref[KVCache] | None = None  # the cache whose slabs are bound
@@ -458,12 +463,13 @@ class OnnxStep:
     step at one batch size writes the same buffers.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, packed: bool = False) -> None:
+        self.runtime = "onnx-packed" if packed else "onnx"
         reason = unsupported(model)
         if reason is not None:
-            raise ValueError(f"runtime: 'onnx' for {reason}")
+            raise ValueError(f"runtime: {self.runtime!r} for {reason}")
         _install_hooks()
-        self.model = model
+        self.model, self.packed = model, packed
         self.one_graph = one_graph_covers(model.cfg)  # the config is fixed: asked once, not at every step
         self.lock = threading.Lock()
         self._forget_plans()
@@ -565,7 +571,7 @@ class OnnxStep:
             if self._stale():
                 reason = _model_problem(model)
                 if reason is not None:  # the model was moved or cast after it was built
-                    raise ValueError(f"runtime: 'onnx' for {reason}")
+                    raise ValueError(f"runtime: {self.runtime!r} for {reason}")
                 self._forget_plans()
             # The whole-step graph runs on as many threads as PyTorch has now; the split graphs on one.
             batch, threads = tokens.shape[0], torch.get_num_threads() if self._reads_in_place(cache) else 0

@@ -168,11 +168,18 @@ def column_blocks_matmul(x: torch.Tensor, w: torch.Tensor, blocks: int) -> torch
 def numpy_openblas() -> object | None:
     """numpy's OpenBLAS, as threadpoolctl controls it, where one-row fp32 products run on it; else ``None``.
 
-    Only where torch's products run on MKL and the CPU is AMD's: that is where OpenBLAS was measured to win. numpy's
-    own copy is the one found inside numpy's installation (``numpy.libs``, ``numpy/.dylibs``), else the only OpenBLAS
-    loaded. A numpy built on MKL or Accelerate, or no threadpoolctl, keeps torch's kernel. Decided once a process.
+    Only where torch's products run on MKL and the CPU is AMD's: that is where OpenBLAS was measured to win; and
+    only where numpy was built on OpenBLAS (a numpy on MKL or Accelerate, or no threadpoolctl, keeps torch's
+    kernel). numpy's copy is the one inside numpy's installation (``numpy.libs``, ``numpy/.dylibs``), else the only
+    OpenBLAS loaded (a conda numpy's, in the environment's ``lib``). Decided once a process.
     """
     if not torch.backends.mkl.is_available() or cpu_vendor() != "AMD":
+        return None
+    try:
+        blas_name = str(np.show_config(mode="dicts")["Build Dependencies"]["blas"]["name"])
+    except (TypeError, KeyError):  # a numpy that does not say
+        return None
+    if "openblas" not in blas_name.lower():
         return None
     try:
         from threadpoolctl import ThreadpoolController
@@ -193,15 +200,18 @@ def numpy_openblas() -> object | None:
 
 def runs_on_openblas(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``WeightFormat.matmul`` at one thread runs ``x @ w`` on numpy's OpenBLAS (``openblas_row``): one row
-    ``x`` (``[..., in]``, one vector in all) by a contiguous fp32 CPU weight ``[in, out]``, with no gradient to
-    carry and no tracer watching (an ONNX export must see torch's MatMul), where ``numpy_openblas()`` found one."""
+    ``x`` (``[..., in]``, one vector in all) by a contiguous fp32 CPU weight ``[in, out]``, where ``numpy_openblas()``
+    found one. Only under inference mode (``decode_step`` and ``prefill`` run in it), where no gradient, forward
+    derivative or functional transform is carried, and with no tracer or compiler watching (an ONNX export, traced
+    inside a decode step, must record torch's MatMul): numpy is invisible to all of them."""
     return (
         x.dtype == w.dtype == torch.float32
+        and x.dim() >= 1
         and w.dim() == 2
         and x.numel() == w.shape[0] == x.shape[-1]
         and w.device.type == "cpu"
         and w.is_contiguous()
-        and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+        and torch.is_inference_mode_enabled()
         and not torch.jit.is_tracing()
         and not torch.compiler.is_compiling()
         and numpy_openblas() is not None
