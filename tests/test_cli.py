@@ -221,6 +221,8 @@ def test_predict_reads_a_hugging_face_config(tmp_path, capsys):
         (["bench", "--runtime", "fast"], ["--runtime", "allowed: 'eager', 'onnx'"]),
         (["bench", "--preset", "smollm2-135m", "--runtime", "onnx"], ["--runtime", "is bf16", "cpu-small"]),
         (["bench", "--runtime", "onnx", "--device", "meta"], ["--runtime", "on meta", "--device cpu"]),
+        (["bench", "--preset", "smollm2-135m", "--runtime", "onnx-packed"], ["--runtime: onnx-packed", "is bf16"]),
+        (["bench", "--runtime", "onnx-packed", "--device", "meta"], ["--runtime: onnx-packed runs on the CPU"]),
         (["bench", "--endpoint", "http://127.0.0.1:9/v1", "--runtime", "onnx"], ["--runtime", "without --endpoint"]),
         (["bench", "--device", "gpu"], ["--device", "'gpu' is not a device", "allowed: 'cpu'"]),
         (["bench", "--device", "cuda:99"], ["--device", "'cuda:99'", "no such device", "allowed: 'cpu'"]),
@@ -365,6 +367,7 @@ def test_bench_writes_json_and_plot(tmp_path):
         ("64,64", "--contexts: 64 is given twice; allowed: distinct lengths"),
         ("2k,4k,2048", "--contexts: 2048 and 2k are both 2,048 tokens; allowed: distinct lengths"),
         (" , ", "--contexts: ' , ' names no length; allowed: comma-separated"),
+        ("", "--contexts: '' names no length; allowed: comma-separated"),
     ],
 )
 def test_bench_refuses_contexts_a_sweep_would_drop(capsys, contexts, error):

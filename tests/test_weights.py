@@ -269,16 +269,22 @@ def fresh_openblas_choice():
 
 def test_numpy_openblas_is_numpys_own_and_only_where_it_was_measured_to_win(monkeypatch, fresh_openblas_choice):
     """Fake libraries, so that every branch runs on any machine: numpy's own OpenBLAS is picked among several, a lone
-    one (a conda numpy's) is taken, and an Intel CPU, a torch without MKL, a numpy on another BLAS, two candidates
-    with neither numpy's, or no threadpoolctl keep torch's product."""
+    one (a conda numpy's, named "openblas" or behind conda-forge's "blas" shim) is taken, and an Intel CPU, a torch
+    without MKL, a numpy on another BLAS, a shim beside MKL, two candidates with neither numpy's, or no threadpoolctl
+    keep torch's product."""
     import threadpoolctl
 
     weights = kvlab.model.weights
     site = Path(np.__file__).resolve().parent.parent
-    own = SimpleNamespace(internal_api="openblas", filepath=str(site / "numpy.libs" / "libscipy_openblas64_-1.so"))
-    conda = SimpleNamespace(internal_api="openblas", filepath="/opt/conda/lib/libopenblasp-r0.3.so")
-    scipy = SimpleNamespace(internal_api="openblas", filepath=str(site / "scipy.libs" / "libscipy_openblas-2.so"))
-    omp = SimpleNamespace(internal_api="openmp", filepath="/usr/lib/libgomp.so.1")
+
+    def lib(internal_api: str, filepath: str, user_api: str = "blas") -> SimpleNamespace:
+        return SimpleNamespace(internal_api=internal_api, user_api=user_api, filepath=filepath)
+
+    own = lib("openblas", str(site / "numpy.libs" / "libscipy_openblas64_-1.so"))
+    conda = lib("openblas", "/opt/conda/lib/libopenblasp-r0.3.so")
+    scipy = lib("openblas", str(site / "scipy.libs" / "libscipy_openblas-2.so"))
+    mkl = lib("mkl", "/opt/conda/lib/libmkl_rt.so.2")
+    omp = lib("openmp", "/usr/lib/libgomp.so.1", user_api="openmp")
 
     def choice(libs, blas="scipy-openblas", vendor="AMD", mkl=True):
         weights.numpy_openblas.cache_clear()
@@ -290,6 +296,8 @@ def test_numpy_openblas_is_numpys_own_and_only_where_it_was_measured_to_win(monk
 
     assert choice([omp, scipy, own]) is own
     assert choice([omp, conda], blas="openblas") is conda
+    assert choice([omp, conda], blas="blas") is conda  # conda-forge's shim, with OpenBLAS behind it
+    assert choice([mkl, conda], blas="blas") is None  # the shim may lead to MKL
     assert choice([conda, scipy]) is None  # two, neither inside numpy: not guessed
     assert choice([omp]) is None
     assert choice([own], blas="mkl-sdl") is None and choice([own], blas="accelerate") is None

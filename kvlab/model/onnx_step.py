@@ -32,7 +32,8 @@ step:
 It covers what ``unsupported`` does not name: dense fp32 MHA/GQA/MQA models on the CPU, one new token per sequence
 (prefill stays eager: it runs once per request, and its products are compute-bound). It runs the model's modules as
 they were exported, so hooks on them do not fire, and a module replaced by one of another kind needs
-``model.runtime = "onnx"`` again (a re-export). ``onnx`` and ``onnxruntime`` come with ``pip install -e .[onnx]``.
+``model.runtime`` set to its value again (a re-export). ``onnx`` and ``onnxruntime`` come with
+``pip install -e .[onnx]``.
 """
 
 from __future__ import annotations
@@ -280,8 +281,8 @@ def _address(t: torch.Tensor, name: str) -> int:
     if t.device.type != "cpu" or t.dtype not in _NUMPY or not t.is_contiguous():
         layout = "contiguous" if t.is_contiguous() else "strided"
         raise ValueError(
-            f"runtime: 'onnx' reads {name} from memory, but it is a {layout} {t.dtype} tensor on {t.device}; allowed: "
-            "contiguous fp32 tensors on the CPU (or set model.runtime = 'eager')"
+            f"runtime: ONNX Runtime reads {name} from memory, but it is a {layout} {t.dtype} tensor on {t.device}; "
+            "allowed: contiguous fp32 tensors on the CPU (or set model.runtime = 'eager')"
         )
     return t.data_ptr()
 

@@ -169,17 +169,19 @@ def numpy_openblas() -> object | None:
     """numpy's OpenBLAS, as threadpoolctl controls it, where one-row fp32 products run on it; else ``None``.
 
     Only where torch's products run on MKL and the CPU is AMD's: that is where OpenBLAS was measured to win; and
-    only where numpy was built on OpenBLAS (a numpy on MKL or Accelerate, or no threadpoolctl, keeps torch's
-    kernel). numpy's copy is the one inside numpy's installation (``numpy.libs``, ``numpy/.dylibs``), else the only
-    OpenBLAS loaded (a conda numpy's, in the environment's ``lib``). Decided once a process.
+    only where numpy's BLAS is OpenBLAS (a numpy on MKL or Accelerate, or no threadpoolctl, keeps torch's kernel).
+    numpy's copy is the one inside numpy's installation (``numpy.libs``, ``numpy/.dylibs``), else the only OpenBLAS
+    loaded. A conda-forge numpy names its BLAS only "blas" (a switchable shim): it counts as OpenBLAS when OpenBLAS is
+    the only BLAS loaded. Decided once a process.
     """
     if not torch.backends.mkl.is_available() or cpu_vendor() != "AMD":
         return None
     try:
-        blas_name = str(np.show_config(mode="dicts")["Build Dependencies"]["blas"]["name"])
+        blas_name = str(np.show_config(mode="dicts")["Build Dependencies"]["blas"]["name"]).lower()
     except (TypeError, KeyError):  # a numpy that does not say
         return None
-    if "openblas" not in blas_name.lower():
+    generic = blas_name in ("blas", "cblas")
+    if "openblas" not in blas_name and not generic:
         return None
     try:
         from threadpoolctl import ThreadpoolController
@@ -188,7 +190,10 @@ def numpy_openblas() -> object | None:
     with warnings.catch_warnings():
         # It warns (stderr, which zeroes a graded cell) of OpenMP runtimes loaded side by side; none is ours to fix.
         warnings.simplefilter("ignore")
-        found = [lib for lib in ThreadpoolController().lib_controllers if lib.internal_api == "openblas"]
+        blas = [lib for lib in ThreadpoolController().lib_controllers if lib.user_api == "blas"]
+    found = [lib for lib in blas if lib.internal_api == "openblas"]
+    if generic and len(found) != len(blas):  # behind the shim may be MKL or BLIS
+        return None
     site = Path(np.__file__).resolve().parent.parent
     own = [
         lib for lib in found if Path(lib.filepath).resolve().parent in (site / "numpy.libs", site / "numpy" / ".dylibs")
