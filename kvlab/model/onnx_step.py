@@ -183,6 +183,10 @@ class _Graph:
         names = [i.name for i in onnx.load_from_string(self.onnx).graph.input]
         self.parameters = [name.removeprefix("m.") for name in names if name not in inputs]
 
+    def _parameters(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """``module``'s parameters this graph reads, by their input names."""
+        return {f"m.{name}": module.get_parameter(name).detach() for name in self.parameters}
+
     def session(self, threads: int):
         """An ONNX Runtime session of this graph on ``threads`` threads, made at first use, that reads its parameters
         from bindings (``bind``)."""
@@ -206,7 +210,7 @@ class _Graph:
         import onnx
         import onnxruntime
 
-        params = {f"m.{name}": module.get_parameter(name).detach() for name in self.parameters}
+        params = self._parameters(module)
         graph = onnx.load_from_string(self.onnx)
         inputs = [i for i in graph.graph.input if i.name not in params]
         del graph.graph.input[:]
@@ -238,7 +242,7 @@ class _Graph:
         parameters."""
         session = self.session(threads)
         binding = session.io_binding()
-        params = {f"m.{name}": module.get_parameter(name).detach() for name in self.parameters}
+        params = self._parameters(module)
         for name, t in (activations | params).items():
             bind_input(binding, name, t)
         for name, t in outputs.items():
@@ -407,16 +411,14 @@ class _WholePlan:
         self.logits_shape = (batch, 1, model.cfg.vocab_size)
         rope = model.rope
         activations = {"tokens": self.tokens, "seqlens": self.seqlens, "inv_freq": rope.inv_freq, "sign": rope.sign}
-        if step.packed and len(step.versioned) == len(step.holders):  # every parameter keeps a version
+        if step.holds_weights:
             if threads not in step.whole_sessions:
                 step.whole_sessions[threads] = step.whole.session_holding(model, threads)
             self.session, self.weights = step.whole_sessions[threads]
             self.binding = self.session.io_binding()
             for name, t in activations.items():
                 bind_input(self.binding, name, t)
-        else:
-            # Bound: read as they are. (Under onnx-packed, a parameter made under inference mode keeps no version, so
-            # an edit in place would go unseen by a session holding its old value.)
+        else:  # bound: read as they are
             self.session, self.binding, self.weights = step.whole.bind(model, activations, {}, threads)
         self.weights = [*self.weights, rope.inv_freq, rope.sign]
         self.cache: weakref.ref[KVCache] | None = None  # the cache whose slabs are bound
@@ -458,22 +460,27 @@ class OnnxStep:
     are; the two halves of a layer and the head (about 0.5 s) on any other cache, around the cache's own attention.
 
     Each batch size gets its buffers and bindings at its first step; all are bound again, and the whole-step graph's
-    sessions made again, when a parameter moved to new memory (``.data =``) or changed in place (its version: a
-    ``load_state_dict``), or any module registered a new parameter or submodule (``load_state_dict(assign=True)``,
-    a replaced layer or RoPE). Steps run one at a time: a lock serialises threads that share the model, since every
-    step at one batch size writes the same buffers.
+    sessions made again, when a parameter moved to new memory (``.data =``), under onnx-packed when one changed in
+    place (its version: a ``load_state_dict``), or when any module registered a new parameter or submodule
+    (``load_state_dict(assign=True)``, a replaced layer or RoPE). Steps run one at a time: a lock serialises threads
+    that share the model, since every step at one batch size writes the same buffers.
     """
 
     def __init__(self, model: nn.Module, packed: bool = False) -> None:
-        self.runtime = "onnx-packed" if packed else "onnx"
+        self.packed = packed
         reason = unsupported(model)
         if reason is not None:
             raise ValueError(f"runtime: {self.runtime!r} for {reason}")
         _install_hooks()
-        self.model, self.packed = model, packed
+        self.model = model
         self.one_graph = one_graph_covers(model.cfg)  # the config is fixed: asked once, not at every step
         self.lock = threading.Lock()
         self._forget_plans()
+
+    @property
+    def runtime(self) -> str:
+        """``Decoder.runtime``'s name for this step: ``"onnx-packed"`` or ``"onnx"``."""
+        return "onnx-packed" if self.packed else "onnx"
 
     # Each graph is exported from the model's own modules at its first use.
     @functools.cached_property
@@ -536,16 +543,18 @@ class OnnxStep:
             (m._parameters, n) for m in self.model.modules() for n, p in m._parameters.items() if p is not None
         ]
         self.addresses = self._addresses()
-        # An edit in place (load_state_dict, an optimizer's step) bumps a tensor's version; a tensor made under
-        # inference mode has none (``_WholePlan`` then binds the weights).
-        self.versioned = [(holder, name) for holder, name in self.holders if not holder[name].is_inference()]
+        # Under onnx-packed the whole-step graph's sessions hold the weights' values, so an edit in place
+        # (load_state_dict, an optimizer's step), which bumps a tensor's version, must make them anew. A tensor made
+        # under inference mode has no version: then the graph binds the weights, as under onnx, and reads them live.
+        self.holds_weights = self.packed and not any(holder[name].is_inference() for holder, name in self.holders)
         self.versions = self._versions()
 
     def _addresses(self) -> list[int]:
         return [holder[name].data_ptr() for holder, name in self.holders]
 
     def _versions(self) -> list[int]:
-        return [holder[name]._version for holder, name in self.versioned]
+        """The parameters' versions where a session holds their values; nothing to read at each step otherwise."""
+        return [holder[name]._version for holder, name in self.holders] if self.holds_weights else []
 
     def _reads_in_place(self, cache: KVCache) -> bool:
         """Whether a step on ``cache`` runs as one graph, attention included: a ``ContiguousKVCache`` of fp32 with keys
@@ -555,9 +564,9 @@ class OnnxStep:
 
     def _stale(self) -> bool:
         """Whether a binding may point at memory the model no longer reads (a cast or a move changes every address,
-        and ``del model.layers[i]`` registers nothing), or a session holds weights the model has since changed in
-        place. Checked at every step, so kept cheap: the checks before a run find their code and data evicted by the
-        previous run's weights, and cost several times what they cost in a loop of their own
+        and ``del model.layers[i]`` registers nothing), or, under onnx-packed, a session holds weights the model has
+        since changed in place. Checked at every step, so kept cheap: the checks before a run find their code and
+        data evicted by the previous run's weights, and cost several times what they cost in a loop of their own
         (docs/cpu_performance.md, section I)."""
         return (
             self.registrations != _registrations
