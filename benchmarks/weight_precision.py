@@ -8,8 +8,9 @@ term and the KV slope both show) and what it costs the shipped checkpoint in per
 Speed: ``Decoder(cfg, weight_dtype=...)`` for fp32, int8, bf16 and fp16, each stepped once per round in turn, at
 ``--context`` 1 and at ``--long`` tokens; the predicted step is its weight bytes (``kvlab.roofline``, from the
 precision in ``cfg.weight_dtypes``) plus its KV bytes over the read bandwidth measured in the same rounds.
-bf16 and fp16 run natively only where oneDNN reports AVX512-BF16/AMX/AVX512-FP16; elsewhere every product
-converts each weight to fp32 first, and the step shows it.
+Each row names the kernel its products ran on (``WeightFormat.kernel``): fp16 on fbgemm's kernel on any x86 CPU
+with AVX2, bf16 on oneDNN's where the CPU has native bf16 dot products (AVX512-BF16, AMX), and ``cast`` where no
+kernel reads the format, which runs several times slower than fp32, as the step shows.
 
 Quality: the shipped checkpoint's weights loaded into each precision, scored on the shipped held-out text
 (``kvlab.measure.quality.perplexity``) and by passkey retrieval (``needle_recall``), with the full fp32 KV cache.
@@ -35,7 +36,8 @@ from kvlab.roofline import kv_bytes_per_step, weight_bytes_read
 
 
 def in_precision(cfg, state: dict, dtype: str) -> Decoder:
-    """A Decoder reading ``state``'s weights in ``dtype`` (the half-precision warning is this script's point)."""
+    """A Decoder reading ``state``'s weights in ``dtype`` (a half precision no kernel reads warns: the table shows
+    why)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         model = Decoder(cfg, device="cpu", weight_dtype=dtype)
@@ -75,6 +77,7 @@ def speed(preset: str, dtypes: list[str], contexts: list[int], repeats: int, clo
                     "ms": ms[(d, context)],
                     "predicted_ms": (wbytes + kv) / read_gbps / 1e6,
                     "weight_mb": wbytes / 1e6,
+                    "kernel": model.weights.kernel(model.embed.weight),
                 }
             )
     return {"read_gbps": read_gbps, "load": load_average(), "rows": rows}
@@ -136,7 +139,10 @@ def main() -> None:
         f"\n{args.preset}, {args.threads} thread(s), {args.clock} clock, median of {args.repeats}; "
         f"read {s['read_gbps']:.1f} GB/s; load average {s['load']}"
     )
-    print(f"{'weights':>7} {'MB':>7} {'context':>8} {'step ms':>8} {'pred ms':>8} {'x pred':>7} {'slope us/tok':>13}")
+    print(
+        f"{'weights':>7} {'kernel':>11} {'MB':>7} {'context':>8} {'step ms':>8} {'pred ms':>8} {'x pred':>7} "
+        f"{'slope us/tok':>13}"
+    )
     by = {(r["weight_dtype"], r["context"]): r for r in s["rows"]}
     for d in dtypes:
         slope = (by[(d, args.long)]["ms"] - by[(d, 1)]["ms"]) / (args.long - 1) * 1e3
@@ -144,8 +150,8 @@ def main() -> None:
             r = by[(d, context)]
             tail = f"{slope:>13.3f}" if context == args.long else ""
             print(
-                f"{d:>7} {r['weight_mb']:>7.1f} {context:>8} {r['ms']:>8.2f} {r['predicted_ms']:>8.2f} "
-                f"{r['ms'] / r['predicted_ms']:>7.2f} {tail}"
+                f"{d:>7} {r['kernel']:>11} {r['weight_mb']:>7.1f} {context:>8} {r['ms']:>8.2f} "
+                f"{r['predicted_ms']:>8.2f} {r['ms'] / r['predicted_ms']:>7.2f} {tail}"
             )
     q = quality(args.model, dtypes, args.tokens, args.context, args.trials)
     print(

@@ -88,6 +88,73 @@ def test_weight_dtype_errors_and_half_precision_warning(monkeypatch):
         assert model.decode_step(torch.tensor([3]), cache).dtype == torch.float32
 
 
+fbgemm = pytest.mark.skipif(not kvlab.model.weights.fbgemm_fp16(), reason="fbgemm's fp16 kernel needs x86 with AVX2")
+
+
+@fbgemm
+@pytest.mark.parametrize("tie", [False, True])
+def test_fp16_weights_run_on_fbgemm_with_fp32_activations(tie):
+    cfg = tiny_config(d_model=128, d_ff=256, vocab_size=512, tie_embeddings=tie)
+    fp32, fp16 = Decoder(cfg, device="cpu", seed=0), Decoder(cfg, device="cpu", seed=7, weight_dtype="fp16")
+    with torch.no_grad():  # weights fp16 holds exactly: the fp32 model then multiplies by what fbgemm reads
+        for p in fp32.parameters():
+            p.copy_(p.half().float())
+    fp16.load_state_dict(fp32.state_dict())  # the packed copies follow the loaded weights
+    tokens = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(3))
+    logits = {}
+    for name, model in (("fp32", fp32), ("fp16", fp16)):
+        cache = model.new_cache(2, 12)
+        model.prefill(tokens, cache)
+        logits[name] = model.decode_step(tokens[:, -1], cache)
+    # Activations stay fp32: only the summation order differs. Casting the activations to fp16 as well (the
+    # kernel-less path) moves the logits by about 1e-3 of their spread, which this tolerance would catch.
+    spread = float(logits["fp32"].std())
+    assert_close(logits["fp16"], logits["fp32"], rtol=0, atol=1e-5 * spread)
+    assert all(not isinstance(p, torch.Tensor) for _, p in fp16.weights._packed.values())  # fbgemm's packed weights
+
+
+@pytest.mark.skipif(not kvlab.model.weights.onednn_bf16(), reason="oneDNN's bf16 product needs native bf16")
+def test_bf16_weights_on_onednns_reordered_weight_match_torchs_bf16_product(monkeypatch):
+    cfg = tiny_config(d_model=128, d_ff=256, vocab_size=512, tie_embeddings=True)
+    fp32 = Decoder(cfg, device="cpu", seed=0)
+    tokens = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(3))
+    logits, kernels = {}, {}
+    for reordered in (True, False):
+        monkeypatch.setattr(kvlab.model.weights, "onednn_bf16", lambda reordered=reordered: reordered)
+        model = Decoder(cfg, device="cpu", weight_dtype="bf16")
+        model.load_state_dict(fp32.state_dict())
+        cache = model.new_cache(2, 12)
+        model.prefill(tokens, cache)
+        logits[reordered] = model.decode_step(tokens[:, -1], cache)
+        kernels[reordered] = model.weights.kernel(model.embed.weight.T)  # the tied head
+    assert kernels == {True: "onednn-bf16", False: "cast"}
+    # Both multiply bf16 by bf16 with fp32 sums; only their blocking may differ.
+    assert_close(logits[True], logits[False], rtol=0, atol=1e-2 * float(logits[False].std()))
+
+
+def test_half_precision_off_the_cpu_keeps_torchs_product():
+    meta = torch.empty(16, 8, device="meta")
+    assert WeightFormat("fp16").kernel(meta) == WeightFormat("bf16").kernel(meta) == "cast"
+    assert WeightFormat("int8").kernel(torch.empty(16, 8)) == "int8"
+
+
+def test_fp16_warns_only_where_no_kernel_reads_it_and_refuses_weights_beyond_its_range(monkeypatch):
+    monkeypatch.setattr(kvlab.model.weights, "native_half", lambda dtype: False)
+    monkeypatch.setattr(kvlab.model.weights, "fbgemm_fp16", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        WeightFormat("fp16")
+    with pytest.warns(RuntimeWarning, match="no native bf16 dot product"):
+        WeightFormat("bf16")  # fbgemm has no bf16 kernel
+    monkeypatch.setattr(kvlab.model.weights, "fbgemm_fp16", lambda: False)
+    with pytest.warns(RuntimeWarning, match="no native fp16 dot product.*no fbgemm fp16 kernel"):
+        fmt = WeightFormat("fp16")
+    w = torch.randn(16, 8)
+    w[3, 2] = -7e4
+    with pytest.raises(ValueError, match=r"weight_dtype='fp16'.*\(16, 8\) holds 70000.*allowed"):
+        fmt.matmul(torch.randn(1, 16), w)
+
+
 @pytest.mark.parametrize("overrides", [{}, {"n_kv_heads": 1, "head_dim": 24, "tie_embeddings": True}])
 def test_projection_shapes_are_the_matrices_the_model_multiplies_by(overrides):
     model = Decoder(tiny_config(**overrides), device="cpu")

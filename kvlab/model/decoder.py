@@ -4,8 +4,8 @@ The weights of every projection are stored ``[in, out]`` and applied through ``k
 fp32, ``x @ W``, which for the one-row activations of a decode step reads each weight row contiguously (on a
 2-core AMD EPYC as fast as summing the same tensors, where ``F.linear`` on ``[out, in]`` weights was about 0.7 of
 it: docs/cpu_performance.md); ``weight_dtype="int8"`` reads a quarter of the bytes through PyTorch's quantized
-kernels. Q, K and V share one matrix and so do SwiGLU's
-gate and up projections, so a layer is four matrix products and few Python calls.
+kernels, and ``"fp16"`` half of them through fbgemm's fp16 kernel on x86 CPUs. Q, K and V share one matrix and so do
+SwiGLU's gate and up projections, so a layer is four matrix products and few Python calls.
 """
 
 from __future__ import annotations

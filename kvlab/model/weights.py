@@ -17,16 +17,26 @@ in place needs no extra call.
     which MKL spreads over the threads (``column_blocks_matmul``).
 - ``int8``: symmetric, one fp32 scale per output channel, through PyTorch's dynamic quantized linear (fbgemm on
   x86, qnnpack on ARM): the activation row is quantized on the fly, the product runs in integers.
-- ``bf16``, ``fp16``: weights stored in half precision; the activation is cast to match and the product cast back
-  to fp32. Only a CPU with native half-precision dot products (AVX512-BF16, AMX, AVX512-FP16: oneDNN reports
-  them) gains from it; elsewhere each product converts every weight first and runs several times slower than
-  fp32, so building such a format warns.
+- ``fp16`` on an x86 CPU: fbgemm's fp16 product (``fbgemm_fp16``), the kernel behind PyTorch's dynamic fp16
+  linear. It reads the weights as fp16, widens each register of them to fp32 as it streams (F16C, on every x86 CPU
+  with AVX2) and multiplies in fp32, so the step reads half the bytes with no native fp16 dot product, and the
+  activations keep fp32.
+- ``bf16`` on a CPU with native bf16 dot products (AVX512-BF16, AMX): oneDNN's bf16 product on a weight reordered
+  into its blocked layout once (``onednn_bf16``); the activation is cast to bf16 and the product back to fp32.
+- Anywhere else (off the CPU, or a CPU with no kernel for the format): the weights stored in half precision, the
+  activation cast to match, torch's own product, and the result cast back to fp32. On a CPU with no native
+  half-precision dot product that runs several times slower than fp32, so building such a format warns.
+
+On a 2-core AMD EPYC (Zen 4, AVX512-BF16), one pass over cpu-small's weights at one thread: fp32 10.2 ms, fp16 on
+fbgemm 4.5-5.2, bf16 on the reordered weight 5.9-6.5 against 11.7-14.2 by torch's own bf16 product
+(docs/cpu_performance.md, section M).
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +52,35 @@ def native_half(dtype: str) -> bool:
     """Whether this CPU has native dot products in ``dtype`` (``"bf16"`` or ``"fp16"``), as oneDNN detects them."""
     probe = {"bf16": torch.ops.mkldnn._is_mkldnn_bf16_supported, "fp16": torch.ops.mkldnn._is_mkldnn_fp16_supported}
     return bool(probe[dtype]())
+
+
+@functools.cache
+def fbgemm_fp16() -> bool:
+    """Whether fbgemm's fp16 product runs on this CPU: a torch built with fbgemm, on an x86 CPU it supports (AVX2 and
+    F16C). Asked of the kernel itself, once a process: a tiny weight packed and multiplied."""
+    if not {"x86", "fbgemm"} & set(torch.backends.quantized.supported_engines):
+        return False
+    try:
+        packed = _in_engine(("x86", "fbgemm"), lambda: torch.ops.quantized.linear_prepack_fp16(torch.ones(8, 8), None))
+        torch.ops.quantized.linear_dynamic_fp16(torch.ones(1, 8), packed)
+    except RuntimeError:  # fbgemm refuses a CPU without AVX2
+        return False
+    return True
+
+
+@functools.cache
+def onednn_bf16() -> bool:
+    """Whether bf16 products run on oneDNN's kernel for a reordered weight: where the CPU has native bf16 dot
+    products (``native_half``) and this torch has the kernel (PyTorch's compiler fuses linear layers with it). Asked
+    of the kernel itself, once a process."""
+    if not (torch.backends.mkldnn.is_available() and native_half("bf16")):
+        return False
+    try:
+        packed = _pack_bf16(torch.ones(8, 8, dtype=torch.bfloat16))
+        torch.ops.mkldnn._linear_pointwise(torch.ones(1, 8, dtype=torch.bfloat16), packed, None, "none", [], "")
+    except (RuntimeError, AttributeError):  # a torch without the ops, or a oneDNN that refuses
+        return False
+    return True
 
 
 def int8_weight_bytes(shape: tuple[int, int]) -> int:
@@ -76,11 +115,11 @@ class WeightFormat:
     def __init__(self, dtype: str = "fp32") -> None:
         if dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype: {dtype!r}; allowed: {', '.join(WEIGHT_DTYPES)}")
-        if dtype in ("bf16", "fp16") and not native_half(dtype):
+        if dtype == "bf16" and not native_half(dtype) or dtype == "fp16" and not (native_half(dtype) or fbgemm_fp16()):
             warnings.warn(
                 f"weight_dtype={dtype!r}: this CPU has no native {dtype} dot product (AVX512-BF16, AMX or "
-                "AVX512-FP16), so every product converts each weight to fp32 first and the step runs several "
-                "times slower than fp32, not faster (benchmarks/weight_precision.py measures it)",
+                "AVX512-FP16) and no fbgemm fp16 kernel, so every product runs several times slower than fp32, "
+                "not faster (benchmarks/weight_precision.py measures it)",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -97,15 +136,34 @@ class WeightFormat:
                 return openblas_row(x, w)
             return x @ w
         # A packed format is for inference: its kernels carry no gradient.
-        packed = self._pack(w)
-        if self.dtype == "int8":
-            rows = x.reshape(-1, x.shape[-1]).float()
-            out = torch.ops.quantized.linear_dynamic(rows, packed, True)
-            return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
-        return (x.to(packed.dtype) @ packed).to(x.dtype)
+        kernel = self.kernel(w)
+        packed = self._pack(w, kernel)
+        if kernel == "cast":
+            return (x.to(packed.dtype) @ packed).to(x.dtype)
+        rows = x.reshape(-1, x.shape[-1])
+        if kernel == "int8":
+            out = torch.ops.quantized.linear_dynamic(rows.float(), packed, True)
+        elif kernel == "fbgemm-fp16":
+            out = torch.ops.quantized.linear_dynamic_fp16(rows.float(), packed)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(rows.to(torch.bfloat16), packed, None, "none", [], "")
+        return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
 
-    def _pack(self, w: torch.Tensor) -> object:
-        """The packed copy of ``w``, rebuilt when ``w`` has changed since it was made."""
+    def kernel(self, w: torch.Tensor) -> str:
+        """What runs this format's products by ``w``: ``"fp32"`` (torch's product, or OpenBLAS's or column blocks,
+        chosen per call), ``"int8"`` (PyTorch's dynamic quantized linear), ``"fbgemm-fp16"``, ``"onednn-bf16"``,
+        or ``"cast"``: the activation cast to the weights' half precision and torch's own product (off the CPU, or
+        on a CPU with no kernel for the format)."""
+        if self.dtype in ("fp32", "int8"):
+            return self.dtype
+        if w.device.type == "cpu" and self.dtype == "fp16" and fbgemm_fp16():
+            return "fbgemm-fp16"
+        if w.device.type == "cpu" and self.dtype == "bf16" and onednn_bf16():
+            return "onednn-bf16"
+        return "cast"
+
+    def _pack(self, w: torch.Tensor, kernel: str) -> object:
+        """The packed copy of ``w`` for ``kernel``, rebuilt when ``w`` has changed since it was made."""
         # Keyed by storage, not identity: a tied head is a fresh ``embed.weight.T`` view at every step, and a view
         # shares its base's version counter.
         key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()))
@@ -114,7 +172,13 @@ class WeightFormat:
         entry = self._packed.get(key)
         if entry is not None and entry[0] == version:
             return entry[1]
-        packed = _pack_int8(w) if self.dtype == "int8" else w.detach().to(getattr(torch, _TORCH[self.dtype]))
+        if kernel == "int8":
+            packed = _pack_int8(w)
+        else:
+            if self.dtype == "fp16":
+                _check_fp16_range(w)
+            half = w.detach().to(getattr(torch, _TORCH[self.dtype]))
+            packed = _PACK_HALF[kernel](half) if kernel in _PACK_HALF else half
         self._packed[key] = (version, packed)
         return packed
 
@@ -259,23 +323,65 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def _pack_int8(w: torch.Tensor) -> object:
-    q, scale = quantize_int8(w)
+def _in_engine(allowed: tuple[str, ...], pack: Callable[[], object]) -> object:
+    """``pack()`` run under the first of ``allowed`` quantized engines this torch build has (a packing op dispatches
+    on the engine in force), which is then put back."""
     engines = torch.backends.quantized.supported_engines
-    engine = next((e for e in ("x86", "fbgemm", "qnnpack") if e in engines), None)
+    engine = next((e for e in allowed if e in engines), None)
     if engine is None:
         raise RuntimeError(
-            f"weight_dtype='int8': this torch build has no quantized engine for dynamic linear (has {engines}); "
-            "allowed engines: x86, fbgemm, qnnpack"
+            f"this torch build has no quantized engine for dynamic linear (has {engines}); "
+            f"allowed engines: {', '.join(allowed)}"
         )
     previous = torch.backends.quantized.engine
     try:
         torch.backends.quantized.engine = engine
+        return pack()
+    finally:
+        torch.backends.quantized.engine = previous
+
+
+def _pack_int8(w: torch.Tensor) -> object:
+    q, scale = quantize_int8(w)
+
+    def pack() -> object:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # torch marks quantized tensors deprecated (2.10+)
             qw = torch._make_per_channel_quantized_tensor(
                 q, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0
             )
             return torch.ops.quantized.linear_prepack(qw, None)
-    finally:
-        torch.backends.quantized.engine = previous
+
+    try:
+        return _in_engine(("x86", "fbgemm", "qnnpack"), pack)
+    except RuntimeError as e:
+        raise RuntimeError(f"weight_dtype='int8': {e}") from None
+
+
+FP16_MAX = 65504.0
+
+
+def _check_fp16_range(w: torch.Tensor) -> None:
+    """Refuse a weight fp16 cannot hold: a cast would make it inf (and the logits NaN), fbgemm would clamp it."""
+    largest = float(w.detach().abs().max()) if w.numel() else 0.0
+    if largest > FP16_MAX:
+        raise ValueError(
+            f"weight_dtype='fp16': a weight of shape {tuple(w.shape)} holds {largest:g}, beyond fp16's range "
+            f"(+-{FP16_MAX:g}); allowed: weights within it, or weight_dtype 'fp32', 'bf16' or 'int8'"
+        )
+
+
+def _pack_fp16(half: torch.Tensor) -> object:
+    """An fp16 weight ``[in, out]`` packed ``[out, in]`` for fbgemm's fp16 product (given in fp32, whose values are
+    already fp16's: the packing rounds nothing)."""
+    rows = half.T.float().contiguous()
+    return _in_engine(("x86", "fbgemm"), lambda: torch.ops.quantized.linear_prepack_fp16(rows, None))
+
+
+def _pack_bf16(half: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight ``[in, out]`` reordered into oneDNN's blocked layout for its bf16 product (``[out, in]`` in,
+    laid out for one row at a time; products of more rows take it too)."""
+    return torch.ops.mkldnn._reorder_linear_weight(half.T.contiguous(), 1)
+
+
+_PACK_HALF = {"fbgemm-fp16": _pack_fp16, "onednn-bf16": _pack_bf16}
