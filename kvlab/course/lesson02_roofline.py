@@ -142,7 +142,7 @@ def check_int8_weight_bytes(fn: Callable[[ModelConfig], int], cases=None, reveal
         fix = (
             "Per layer: the QKV matrix (d_model in; query heads + 2 x KV heads, times head_dim, out), the output "
             "projection, gate/up (2 x d_ff out) and down; then the LM head (d_model in, vocab out). Each matrix "
-            "costs 1 byte per weight plus a 4-byte scale per output column; the input embedding is a lookup, not "
-            "a product."
+            "costs 1 byte per weight plus a 4-byte scale per output channel (a column of the [in, out] matrix); the "
+            "input embedding is a lookup, not a product."
         )
         exact_int(label, call_learner(label, fn, cfg), int8_step_weight_bytes(cfg), "bytes", fix, reveal)
