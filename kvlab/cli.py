@@ -142,9 +142,10 @@ def _load_config(args: argparse.Namespace) -> ModelConfig:
         raise UsageError(f"--config: {args.config}: {e}") from None
 
 
-def _usage(lookup, name: str, field: str):
+def _usage(lookup, name, field: str, *more):
+    """``lookup(name, field, *more)``, its ``ValueError`` (which names ``field``) as the command line's error."""
     try:
-        return lookup(name, field)
+        return lookup(name, field, *more)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -358,11 +359,13 @@ def measure_sweep(
     device: str | None = None,
     threads: int | None = None,
     runtime: str = "eager",
+    weight_dtype: str = "fp32",
 ):
     """Decode the runnable ``preset`` on this machine at each context (tokens): ``kvlab bench``'s measurement, which
     ``kvlab report --measure`` runs too. Returns the config it ran (max context raised to fit) and the
     ``kvlab.measure.sweep.Sweep``, whose prediction uses the read bandwidth measured in the same run. ``runtime``
-    is ``Decoder``'s (``"eager"``, or ``"onnx"`` and ``"onnx-packed"`` for ONNX Runtime on the CPU)."""
+    is ``Decoder``'s (``"eager"``, or ``"onnx"`` and ``"onnx-packed"`` for ONNX Runtime on the CPU), and so is
+    ``weight_dtype`` (``kvlab.model.weights.WEIGHT_DTYPES``)."""
     import torch
 
     from kvlab.measure.sweep import sweep_context
@@ -381,7 +384,19 @@ def measure_sweep(
     if runtime in ONNX_RUNTIMES and device is None:
         device = "cpu"  # ONNX Runtime's CPU provider: not CUDA, even where it is present
     _check_runtime(runtime, cfg, device)
-    model = Decoder(cfg, device=_device(device))
+    if weight_dtype != "fp32" and runtime != "eager":
+        raise UsageError(
+            f"--weight-dtype: {weight_dtype} with --runtime {runtime}, which reads the fp32 parameters; allowed: "
+            "--weight-dtype fp32, or --runtime eager"
+        )
+    device = _device(device)
+    try:
+        model = Decoder(cfg, device=device, weight_dtype=weight_dtype)
+    except ValueError as e:
+        if not str(e).startswith("weight_dtype: "):
+            raise
+        # A precision the device or the model cannot take, named by Decoder: the command line's error.
+        raise UsageError(f"--weight-dtype: {str(e).removeprefix('weight_dtype: ')}") from None
     _set_runtime(model, runtime)
     sweep = sweep_context(model, contexts, n_tokens=n_tokens, n_requests=n_requests, batch=batch, fill=fill)
     return cfg, sweep
@@ -448,6 +463,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.endpoint:
         if args.runtime not in (None, "eager"):
             raise UsageError("--runtime: only without --endpoint (it picks what runs this machine's decode step)")
+        if args.weight_dtype not in (None, "fp32"):
+            raise UsageError("--weight-dtype: only without --endpoint (it picks how this machine's step reads weights)")
         return cmd_bench_endpoint(args)
     for flag in ENDPOINT_FLAGS:
         if getattr(args, flag.lstrip("-").replace("-", "_")) is not None:
@@ -455,7 +472,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
     from kvlab.model.onnx_step import ONNX_RUNTIMES, one_graph_covers
-    from kvlab.model.weights import numpy_openblas
+    from kvlab.model.weights import WEIGHT_DTYPES, numpy_openblas, weight_kernel
 
     contexts = _contexts(args)
     if args.fill not in ("fast", "prefill"):
@@ -463,6 +480,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     threads = _positive_int(args.threads, "--threads") if args.threads else None
     batch = _positive_int(args.batch, "--batch")
     runtime = args.runtime or "eager"
+    weight_dtype = _usage(canonical_dtype, args.weight_dtype or "fp32", "--weight-dtype", WEIGHT_DTYPES)
     cfg, sweep = measure_sweep(
         args.preset,
         contexts,
@@ -473,12 +491,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         device=args.device,
         threads=threads,
         runtime=runtime,
+        weight_dtype=weight_dtype,
     )
     bw = sweep.bandwidth
     n_threads = torch.get_num_threads()
     engine = f"runtime {sweep.runtime}"
     if sweep.runtime in ONNX_RUNTIMES:
         engine += " (one graph a step)" if one_graph_covers(cfg) else " (two graphs a layer, attention between)"
+    elif weight_dtype != "fp32":
+        engine += f", weights {weight_dtype} on {weight_kernel(weight_dtype, sweep.device)}"
     elif str(sweep.device) == "cpu" and n_threads == batch == 1 and cfg.dtype == "fp32" and numpy_openblas():
         engine += " (one-row products on numpy's OpenBLAS)"
     print(
@@ -887,6 +908,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="what runs the decode step: eager (PyTorch, the default), onnx (ONNX Runtime, one graph a step where "
         "the model allows, on --threads threads; CPU, fp32, MHA/GQA/MQA; pip install -e .[onnx]), or onnx-packed "
         "(onnx, its one graph holding a repacked copy of the weights: faster, more memory)",
+    )
+    b.add_argument(
+        "--weight-dtype",
+        default=None,
+        help="the precision the step reads its weights in: fp32 (the default), bf16, fp16 or int8 (kvlab.model's "
+        "weight_dtype); the header names the kernel that ran it",
     )
     b.add_argument("--json", help="write the results as JSON here")
     b.add_argument("--plot", help="write a measured-vs-predicted plot here (PNG)")

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvlab import Decoder
+from kvlab import Decoder, get_model
 from kvlab.machine.timing import Bandwidth
 from kvlab.measure.step_time import breakdown, breakdown_table
 from kvlab.measure.sweep import Arm, interleaved_sweeps, sweep_context
 from kvlab.metrics import RequestTiming, fit_line, percentile, summarize
-from kvlab.model.weights import numpy_openblas
+from kvlab.model.weights import numpy_openblas, weight_kernel
 from kvlab.roofline import weight_bytes_read
 
 from .helpers import tiny_config
@@ -172,6 +172,21 @@ def test_bench_measures_the_onnx_runtime(tmp_path):
     assert "runtime onnx (one graph a step)" in result.stdout and "fit:" in result.stdout, result.stdout
     assert "R^2 n/a (a line through two points fits them exactly)" in result.stdout  # not a perfect-looking 1.0000
     assert json.loads((tmp_path / "b.json").read_text())["runtime"] == "onnx"  # what the sweep's model ran
+
+
+@pytest.mark.slow
+def test_bench_reads_the_weights_in_the_precision_asked_and_names_its_kernel(tmp_path):
+    """``kvlab bench --weight-dtype fp16`` through the installed entry point: the header names the kernel this CPU
+    ran, and the prediction charges two bytes a weight."""
+    cmd = [sys.executable, "-m", "kvlab.cli", "bench", "--preset", "cpu-tiny", "--contexts", "64,128", "--tokens"]
+    cmd += ["3", "--requests", "1", "--threads", "1", "--weight-dtype", "fp16", "--json", str(tmp_path / "b.json")]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert f"weights fp16 on {weight_kernel('fp16', 'cpu')};" in result.stdout, result.stdout
+    saved = json.loads((tmp_path / "b.json").read_text())
+    assert saved["weight_dtype"] == "fp16"
+    assert saved["weight_bytes_read"] == weight_bytes_read(Decoder(get_model("cpu-tiny"), weight_dtype="fp16").cfg)
+    assert saved["weight_bytes_read"] * 2 == pytest.approx(weight_bytes_read(get_model("cpu-tiny")), rel=0.01)
 
 
 def test_sweep_refuses_a_bandwidth_measured_with_other_threads():

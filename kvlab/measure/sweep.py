@@ -80,6 +80,7 @@ class Sweep:
     weight_bytes_read: int
     points: list[SweepPoint]
     runtime: str = "eager"  # what ran the decode steps: Decoder.runtime
+    weight_dtype: str = "fp32"  # the precision the steps read the weights in: Decoder.weight_dtype
 
     @property
     def fit(self) -> Fit:
@@ -130,6 +131,7 @@ class Sweep:
             "batch": self.batch,
             "fill": self.fill,
             "runtime": self.runtime,
+            "weight_dtype": self.weight_dtype,
             "environment": machine_info(),
             "bandwidth": asdict(self.bandwidth),
             "kv_bytes_per_token": self.kv_bytes_per_token,
@@ -299,6 +301,7 @@ def interleaved_sweeps(
                 for c in contexts
             ],
             runtime=arm.model.runtime,
+            weight_dtype=arm.model.weight_dtype,
         )
         for key, arm in arms.items()
     }

@@ -109,6 +109,21 @@ def int8_step_weight_bytes(cfg: ModelConfig) -> int:
     return sum(int8_weight_bytes(shape) for shape in projection_shapes(cfg))
 
 
+def weight_kernel(dtype: str, device: str | torch.device) -> str:
+    """What runs the products of weights in ``dtype`` on ``device``: ``"fp32"`` (torch's product, or OpenBLAS's or
+    column blocks, chosen per call), ``"int8"`` (PyTorch's dynamic quantized linear), ``"fbgemm-fp16"``,
+    ``"onednn-bf16"``, or ``"cast"``: the activation cast to the weights' half precision and torch's own product (off
+    the CPU, or on a CPU with no kernel for the format)."""
+    on_cpu = torch.device(device).type == "cpu"
+    if dtype in ("fp32", "int8"):
+        return dtype
+    if on_cpu and dtype == "fp16" and fbgemm_fp16():
+        return "fbgemm-fp16"
+    if on_cpu and dtype == "bf16" and onednn_bf16():
+        return "onednn-bf16"
+    return "cast"
+
+
 class WeightFormat:
     """The precision a model's projections read their weights in, and the packed copies that precision needs."""
 
@@ -150,17 +165,8 @@ class WeightFormat:
         return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
 
     def kernel(self, w: torch.Tensor) -> str:
-        """What runs this format's products by ``w``: ``"fp32"`` (torch's product, or OpenBLAS's or column blocks,
-        chosen per call), ``"int8"`` (PyTorch's dynamic quantized linear), ``"fbgemm-fp16"``, ``"onednn-bf16"``,
-        or ``"cast"``: the activation cast to the weights' half precision and torch's own product (off the CPU, or
-        on a CPU with no kernel for the format)."""
-        if self.dtype in ("fp32", "int8"):
-            return self.dtype
-        if w.device.type == "cpu" and self.dtype == "fp16" and fbgemm_fp16():
-            return "fbgemm-fp16"
-        if w.device.type == "cpu" and self.dtype == "bf16" and onednn_bf16():
-            return "onednn-bf16"
-        return "cast"
+        """What runs this format's products by ``w``: ``weight_kernel`` of its precision on ``w``'s device."""
+        return weight_kernel(self.dtype, w.device)
 
     def _pack(self, w: torch.Tensor, kernel: str) -> object:
         """The packed copy of ``w`` for ``kernel``, rebuilt when ``w`` has changed since it was made."""
