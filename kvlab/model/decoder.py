@@ -94,7 +94,7 @@ class Decoder(nn.Module):
                 raise ValueError(f"weight_dtype: {weight_dtype!r} with MLA; allowed: 'fp32' (MLA's weights are fp32)")
             cfg = cfg.replace(weight_dtypes=(("embeddings", weight_dtype), ("other", weight_dtype)))
         self.cfg = cfg
-        self.weights = WeightFormat(weight_dtype)
+        self.weights = WeightFormat(weight_dtype, resolve_device(device))
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg, i, self.weights) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)

@@ -4,7 +4,8 @@ Every projection of the model (QKV, output, SwiGLU's gate/up and down, the LM he
 ``WeightFormat.matmul(x, w)`` with ``w`` the fp32 parameter stored ``[in, out]``. The parameters stay the model's
 state (checkpoints, training, Hugging Face export see only them); a format other than fp32 keeps a packed copy of
 each one, rebuilt whenever the parameter changes (``Tensor._version``), so loading a checkpoint or editing a weight
-in place needs no extra call.
+in place needs no extra call. A write through ``.data`` or a numpy view bumps no version and is not seen: build the
+model again after one.
 
 - ``fp32``: ``x @ w``, torch's own kernel (MKL in torch's x86 wheels), with two exceptions measured on a 2-core
   AMD EPYC (Zen 3) (docs/cpu_performance.md, section K; ``benchmarks/weight_term.py``):
@@ -35,7 +36,9 @@ fbgemm 4.5-5.2, bf16 on the reordered weight 5.9-6.5 against 11.7-14.2 by torch'
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -127,19 +130,19 @@ def weight_kernel(dtype: str, device: str | torch.device) -> str:
 class WeightFormat:
     """The precision a model's projections read their weights in, and the packed copies that precision needs."""
 
-    def __init__(self, dtype: str = "fp32") -> None:
+    def __init__(self, dtype: str = "fp32", device: str | torch.device = "cpu") -> None:
         if dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype: {dtype!r}; allowed: {', '.join(WEIGHT_DTYPES)}")
-        if dtype == "bf16" and not native_half(dtype) or dtype == "fp16" and not (native_half(dtype) or fbgemm_fp16()):
+        if torch.device(device).type == "cpu" and weight_kernel(dtype, device) == "cast":
             warnings.warn(
-                f"weight_dtype={dtype!r}: this CPU has no native {dtype} dot product (AVX512-BF16, AMX or "
-                "AVX512-FP16) and no fbgemm fp16 kernel, so every product runs several times slower than fp32, "
-                "not faster (benchmarks/weight_precision.py measures it)",
+                f"weight_dtype={dtype!r}: this CPU runs no kernel that reads {dtype} weights at memory speed "
+                f"({_KERNEL_NEEDS[dtype]}), so every product runs torch's own {dtype} product and the step is slower "
+                "than fp32, not faster (benchmarks/weight_precision.py measures it)",
                 RuntimeWarning,
                 stacklevel=3,
             )
         self.dtype = dtype
-        self._packed: dict[tuple, tuple[int, object]] = {}
+        self._packed: dict[tuple, tuple[int, weakref.ref, object]] = {}
 
     def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in]`` times the fp32 weight ``w`` ``[in, out]`` -> ``[..., out]``, in this precision."""
@@ -169,15 +172,19 @@ class WeightFormat:
         return weight_kernel(self.dtype, w.device)
 
     def _pack(self, w: torch.Tensor, kernel: str) -> object:
-        """The packed copy of ``w`` for ``kernel``, rebuilt when ``w`` has changed since it was made."""
-        # Keyed by storage, not identity: a tied head is a fresh ``embed.weight.T`` view at every step, and a view
-        # shares its base's version counter.
+        """The packed copy of ``w`` for ``kernel``, rebuilt when ``w`` has changed since it was made (through an
+        operation on it: a write through ``.data`` or a numpy view bumps no version and is not seen)."""
+        # Keyed by memory, not identity: a tied head is a fresh ``embed.weight.T`` view at every step, and a view
+        # shares its base's version counter. The entry also holds a weak reference to the tensor that owns the
+        # memory, so a new weight allocated where a freed one was is not served the old one's copy; and the entry
+        # goes when that tensor does.
         key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()))
+        owner = w if w._base is None else w._base
         # A tensor made under inference mode keeps no version counter; such a weight is packed once.
         version = -1 if w.is_inference() else w._version
         entry = self._packed.get(key)
-        if entry is not None and entry[0] == version:
-            return entry[1]
+        if entry is not None and entry[0] == version and entry[1]() is owner:
+            return entry[2]
         if kernel == "int8":
             packed = _pack_int8(w)
         else:
@@ -185,7 +192,8 @@ class WeightFormat:
                 _check_fp16_range(w)
             half = w.detach().to(getattr(torch, _TORCH[self.dtype]))
             packed = _PACK_HALF[kernel](half) if kernel in _PACK_HALF else half
-        self._packed[key] = (version, packed)
+        entries = self._packed
+        self._packed[key] = (version, weakref.ref(owner, lambda _, key=key: entries.pop(key, None)), packed)
         return packed
 
     def weight_bytes(self, w: torch.Tensor) -> int:
@@ -196,6 +204,10 @@ class WeightFormat:
 
 
 _TORCH = {"bf16": "bfloat16", "fp16": "float16"}
+_KERNEL_NEEDS = {
+    "bf16": "oneDNN's, which needs native bf16 dot products: AVX512-BF16 or AMX",
+    "fp16": "fbgemm's, which needs an x86 CPU with AVX2",
+}
 
 # Where cutting a product into one block of columns per thread paid, measured on a 2-core AMD EPYC at two threads
 # (docs/cpu_performance.md, section G): fp32 products of 2 to 64 rows by cpu-small's weights of 3-17 MB ran 7-35%
@@ -339,12 +351,16 @@ def _in_engine(allowed: tuple[str, ...], pack: Callable[[], object]) -> object:
             f"this torch build has no quantized engine for dynamic linear (has {engines}); "
             f"allowed engines: {', '.join(allowed)}"
         )
-    previous = torch.backends.quantized.engine
-    try:
-        torch.backends.quantized.engine = engine
-        return pack()
-    finally:
-        torch.backends.quantized.engine = previous
+    with _ENGINE_LOCK:  # the engine is the process's: two threads packing at once would lose the caller's
+        previous = torch.backends.quantized.engine
+        try:
+            torch.backends.quantized.engine = engine
+            return pack()
+        finally:
+            torch.backends.quantized.engine = previous
+
+
+_ENGINE_LOCK = threading.Lock()
 
 
 def _pack_int8(w: torch.Tensor) -> object:
@@ -369,11 +385,13 @@ FP16_MAX = 65504.0
 
 def _check_fp16_range(w: torch.Tensor) -> None:
     """Refuse a weight fp16 cannot hold: a cast would make it inf (and the logits NaN), fbgemm would clamp it."""
-    largest = float(w.detach().abs().max()) if w.numel() else 0.0
-    if largest > FP16_MAX:
+    if w.device.type == "meta" or not w.numel():
+        return
+    largest = float(w.detach().abs().max())
+    if not largest <= FP16_MAX:  # NaN too: fbgemm's packing would turn it into a finite number
         raise ValueError(
-            f"weight_dtype='fp16': a weight of shape {tuple(w.shape)} holds {largest:g}, beyond fp16's range "
-            f"(+-{FP16_MAX:g}); allowed: weights within it, or weight_dtype 'fp32', 'bf16' or 'int8'"
+            f"weight_dtype='fp16': a weight of shape {tuple(w.shape)} holds {largest:g}, outside fp16's finite range "
+            f"(+-{FP16_MAX:g}); allowed: finite weights within it, or weight_dtype 'fp32', 'bf16' or 'int8'"
         )
 
 
