@@ -1,6 +1,8 @@
 """kvlab.model.weights: int8 weights through PyTorch's quantized kernel, half-precision weights, and the Decoder's
 weight_dtype."""
 
+import copy as copy_module
+import pickle
 import sys
 import threading
 import warnings
@@ -160,6 +162,19 @@ def test_half_precision_warns_only_where_no_kernel_reads_it_and_fp16_refuses_wha
             fmt.matmul(torch.randn(1, 16), w)
     meta = torch.empty(16, 8, device="meta")
     assert fmt.matmul(torch.empty(2, 16, device="meta"), meta).shape == (2, 8)  # no range to check on meta
+
+
+@pytest.mark.parametrize("weight_dtype", ["int8", "fp16"])
+def test_a_model_with_packed_weights_copies_and_pickles_without_them(weight_dtype):
+    with warnings.catch_warnings():  # fp16 on a CPU no kernel reads it warns; this test is about copies
+        warnings.simplefilter("ignore", RuntimeWarning)
+        model = Decoder(tiny_config(), device="cpu", weight_dtype=weight_dtype)
+    token = torch.tensor([3])
+    before = model.decode_step(token, model.new_cache(1, 4))
+    assert model.weights._packed
+    for copy in (copy_module.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert not copy.weights._packed
+        assert_close(copy.decode_step(token, copy.new_cache(1, 4)), before, rtol=0, atol=0)
 
 
 def test_a_packed_copy_is_never_served_to_a_new_weight_in_a_freed_ones_memory():

@@ -144,6 +144,11 @@ class WeightFormat:
         self.dtype = dtype
         self._packed: dict[tuple, tuple[int, weakref.ref, object]] = {}
 
+    def __getstate__(self) -> dict:
+        # The packed copies are a cache of the weights, made again at first use (and their weak references do not
+        # pickle): a copied or pickled model carries none.
+        return {**self.__dict__, "_packed": {}}
+
     def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in]`` times the fp32 weight ``w`` ``[in, out]`` -> ``[..., out]``, in this precision."""
         if self.dtype == "fp32":
