@@ -25,8 +25,9 @@ model again after one.
 - ``bf16`` on a CPU with native bf16 dot products (AVX512-BF16, AMX): oneDNN's bf16 product on a weight reordered
   into its blocked layout once (``onednn_bf16``); the activation is cast to bf16 and the product back to fp32.
 - Anywhere else (off the CPU, or a CPU with no kernel for the format): the weights stored in half precision, the
-  activation cast to match, torch's own product, and the result cast back to fp32. On a CPU with no native
-  half-precision dot product that runs several times slower than fp32, so building such a format warns.
+  activation cast to match, torch's own product, and the result cast back to fp32. On a CPU that is slower than
+  fp32 (several times over without native half-precision dot products), so building such a format for the CPU
+  warns.
 
 On a 2-core AMD EPYC (Zen 4, AVX512-BF16), one pass over cpu-small's weights at one thread: fp32 10.2 ms, fp16 on
 fbgemm 4.5-5.2, bf16 on the reordered weight 5.9-6.5 against 11.7-14.2 by torch's own bf16 product
