@@ -383,12 +383,7 @@ def measure_sweep(
 
     if runtime in ONNX_RUNTIMES and device is None:
         device = "cpu"  # ONNX Runtime's CPU provider: not CUDA, even where it is present
-    _check_runtime(runtime, cfg, device)
-    if weight_dtype != "fp32" and runtime != "eager":
-        raise UsageError(
-            f"--weight-dtype: {weight_dtype} with --runtime {runtime}, which reads the fp32 parameters; allowed: "
-            "--weight-dtype fp32, or --runtime eager"
-        )
+    _check_runtime(runtime, cfg, device, weight_dtype)
     device = _device(device)
     try:
         model = Decoder(cfg, device=device, weight_dtype=weight_dtype)
@@ -410,13 +405,18 @@ def _device(name: str | None):
     return _usage(resolve_device, name, "--device")
 
 
-def _check_runtime(runtime: str, cfg: ModelConfig, device) -> None:
+def _check_runtime(runtime: str, cfg: ModelConfig, device, weight_dtype: str = "fp32") -> None:
     """Refuse ``--runtime onnx`` (or ``onnx-packed``) for a model it cannot run, in the command line's terms: before a
     model is built."""
     from kvlab.model.onnx_step import ONNX_RUNTIMES
 
     if runtime not in ONNX_RUNTIMES:
         return
+    if weight_dtype != "fp32":
+        raise UsageError(
+            f"--weight-dtype: {weight_dtype} with --runtime {runtime}, which reads the fp32 parameters; allowed: "
+            "--weight-dtype fp32, or --runtime eager"
+        )
     if cfg.dtype != "fp32":
         fp32 = ", ".join(name for name, c in model_presets().items() if c.runnable and c.dtype == "fp32")
         raise UsageError(
@@ -432,7 +432,7 @@ def _check_runtime(runtime: str, cfg: ModelConfig, device) -> None:
 
 def _set_runtime(model, runtime: str) -> None:
     """``model.runtime = runtime``, with a refusal (an unknown name, a model it cannot run) as ``--runtime``'s."""
-    _check_runtime(runtime, model.cfg, model.device)
+    _check_runtime(runtime, model.cfg, model.device, model.weight_dtype)
     try:
         model.runtime = runtime
     except ValueError as e:

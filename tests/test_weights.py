@@ -59,6 +59,13 @@ def test_int8_product_within_activation_quantization_error_and_repacks_on_edit()
         assert_close(fmt.matmul(x, w), -out, rtol=0, atol=2 * bound)
 
 
+def next_logits(model: Decoder, tokens: torch.Tensor) -> torch.Tensor:
+    """The logits of one decode step of ``tokens``' last column, after all of ``tokens`` ``[batch, n]`` prefilled."""
+    cache = model.new_cache(tokens.shape[0], tokens.shape[1] + 4)
+    model.prefill(tokens, cache)
+    return model.decode_step(tokens[:, -1], cache)
+
+
 def test_decoder_int8_reads_a_quarter_of_the_bytes_and_stays_close_to_fp32():
     cfg = tiny_config(d_model=128, d_ff=256, vocab_size=512)
     fp32, int8 = Decoder(cfg, device="cpu", seed=0), Decoder(cfg, device="cpu", seed=7, weight_dtype="int8")
@@ -67,11 +74,7 @@ def test_decoder_int8_reads_a_quarter_of_the_bytes_and_stays_close_to_fp32():
     assert int8.weight_dtype == "int8" and dict(int8.cfg.weight_dtypes) == {"embeddings": "int8", "other": "int8"}
     assert weight_bytes_read(int8.cfg) * 4 == pytest.approx(weight_bytes_read(fp32.cfg), rel=0.01)
     tokens = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(2))
-    logits = {}
-    for name, model in (("fp32", fp32), ("int8", int8)):
-        cache = model.new_cache(1, 16)
-        model.prefill(tokens, cache)
-        logits[name] = model.decode_step(tokens[:, -1], cache)
+    logits = {name: next_logits(model, tokens) for name, model in (("fp32", fp32), ("int8", int8))}
     spread = float(logits["fp32"].std())
     assert_close(logits["int8"], logits["fp32"], rtol=0, atol=0.1 * spread)
     assert not torch.equal(logits["int8"], logits["fp32"])  # the int8 kernel really ran
@@ -102,13 +105,9 @@ def test_fp16_weights_run_on_fbgemm_with_fp32_activations(tie):
         for p in fp32.parameters():
             p.copy_(p.half().float())
     tokens = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(3))
-    fp16.prefill(tokens, fp16.new_cache(2, 12))  # packs seed 7's weights
+    next_logits(fp16, tokens)  # packs seed 7's weights
     fp16.load_state_dict(fp32.state_dict())  # the packed copies follow the loaded weights
-    logits = {}
-    for name, model in (("fp32", fp32), ("fp16", fp16)):
-        cache = model.new_cache(2, 12)
-        model.prefill(tokens, cache)
-        logits[name] = model.decode_step(tokens[:, -1], cache)
+    logits = {name: next_logits(model, tokens) for name, model in (("fp32", fp32), ("fp16", fp16))}
     # Activations stay fp32: only the summation order differs. Casting the activations to fp16 as well (the
     # kernel-less path) moves the logits by about 1e-3 of their spread, which this tolerance would catch.
     spread = float(logits["fp32"].std())
@@ -128,9 +127,7 @@ def test_bf16_weights_on_onednns_reordered_weight_match_torchs_bf16_product(monk
             warnings.simplefilter("ignore", RuntimeWarning)
             model = Decoder(cfg, device="cpu", weight_dtype="bf16")
         model.load_state_dict(fp32.state_dict())
-        cache = model.new_cache(2, 12)
-        model.prefill(tokens, cache)
-        logits[reordered] = model.decode_step(tokens[:, -1], cache)
+        logits[reordered] = next_logits(model, tokens)
         kernels[reordered] = model.weights.kernel(model.embed.weight.T)  # the tied head
     assert kernels == {True: "onednn-bf16", False: "cast"}
     # Both multiply bf16 by bf16 with fp32 sums; only their blocking may differ.

@@ -143,7 +143,7 @@ class WeightFormat:
                 stacklevel=3,
             )
         self.dtype = dtype
-        self._packed: dict[tuple, tuple[int, weakref.ref, object]] = {}
+        self._packed: dict[tuple, tuple[int, weakref.ref, tuple[str, object]]] = {}
 
     def __getstate__(self) -> dict:
         # The packed copies are a cache of the weights, made again at first use (and their weak references do not
@@ -160,8 +160,7 @@ class WeightFormat:
                 return openblas_row(x, w)
             return x @ w
         # A packed format is for inference: its kernels carry no gradient.
-        kernel = self.kernel(w)
-        packed = self._pack(w, kernel)
+        kernel, packed = self._pack(w)
         if kernel == "cast":
             return (x.to(packed.dtype) @ packed).to(x.dtype)
         rows = x.reshape(-1, x.shape[-1])
@@ -177,9 +176,10 @@ class WeightFormat:
         """What runs this format's products by ``w``: ``weight_kernel`` of its precision on ``w``'s device."""
         return weight_kernel(self.dtype, w.device)
 
-    def _pack(self, w: torch.Tensor, kernel: str) -> object:
-        """The packed copy of ``w`` for ``kernel``, rebuilt when ``w`` has changed since it was made (through an
-        operation on it: a write through ``.data`` or a numpy view bumps no version and is not seen)."""
+    def _pack(self, w: torch.Tensor) -> tuple[str, object]:
+        """The kernel for ``w`` (``kernel``) and ``w``'s packed copy for it, rebuilt when ``w`` has changed since it
+        was made (through an operation on it: a write through ``.data`` or a numpy view bumps no version and is not
+        seen)."""
         # Keyed by memory, not identity: a tied head is a fresh ``embed.weight.T`` view at every step, and a view
         # shares its base's version counter. The entry also holds a weak reference to the tensor that owns the
         # memory, so a new weight allocated where a freed one was is not served the old one's copy; and the entry
@@ -191,6 +191,7 @@ class WeightFormat:
         entry = self._packed.get(key)
         if entry is not None and entry[0] == version and entry[1]() is owner:
             return entry[2]
+        kernel = self.kernel(w)
         if kernel == "int8":
             packed = _pack_int8(w)
         else:
@@ -199,8 +200,8 @@ class WeightFormat:
             half = w.detach().to(getattr(torch, _TORCH[self.dtype]))
             packed = _PACK_HALF[kernel](half) if kernel in _PACK_HALF else half
         entries = self._packed
-        self._packed[key] = (version, weakref.ref(owner, lambda _, key=key: entries.pop(key, None)), packed)
-        return packed
+        self._packed[key] = (version, weakref.ref(owner, lambda _, key=key: entries.pop(key, None)), (kernel, packed))
+        return kernel, packed
 
     def weight_bytes(self, w: torch.Tensor) -> int:
         """Bytes a step reads for ``w`` ``[in, out]`` in this precision, scales included."""
