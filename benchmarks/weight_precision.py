@@ -4,6 +4,7 @@ term and the KV slope both show) and what it costs the shipped checkpoint in per
     python benchmarks/weight_precision.py                       # cpu-small steps at one thread, kvlab-tiny quality
     python benchmarks/weight_precision.py --clock thread        # CPU time only: steadier on a loaded machine
     python benchmarks/weight_precision.py --quick               # few repeats, few tokens: a smoke run
+    python benchmarks/weight_precision.py --isa avx2            # the kernels an AVX2-only x86 CPU would run
 
 Speed: ``Decoder(cfg, weight_dtype=...)`` for fp32, int8, bf16 and fp16, each stepped once per round in turn, at
 ``--context`` 1 and at ``--long`` tokens; the predicted step is its weight bytes (``kvlab.roofline``, from the
@@ -15,6 +16,10 @@ kernel reads the format, which runs several times slower than fp32, as the step 
 Quality: the shipped checkpoint's weights loaded into each precision, scored on the shipped held-out text
 (``kvlab.measure.quality.perplexity``) and by passkey retrieval (``needle_recall``), with the full fp32 KV cache.
 
+``--isa avx2`` runs the same benchmark again in a new process with every kernel library capped at AVX2
+(``kvlab.machine.isa``): on a CPU with AVX-512, AVX512-BF16 or AMX, it shows the kernels a laptop without them
+runs, on this machine's memory. The environment line records the cap.
+
 A benchmark, not a test: say how loaded the machine was.
 """
 
@@ -23,11 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import warnings
 
 import torch
 
 from kvlab import Decoder, get_model
+from kvlab.machine.isa import ISA_CAPS, capped_environ, isa_caps_in_effect
 from kvlab.machine.timing import CLOCKS, bandwidth_buffer_mb, load_average, machine_info, time_interleaved
 from kvlab.measure.quality import CHANCE, needle_recall, perplexity
 from kvlab.model.pretrained import bos_token, heldout_tokens, list_pretrained, load_pretrained
@@ -119,7 +127,11 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=16, help="passkey trials per depth")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json")
+    parser.add_argument("--isa", choices=sorted(ISA_CAPS), help="rerun with the kernels capped at this instruction set")
     args = parser.parse_args()
+    if args.isa and isa_caps_in_effect() != ISA_CAPS[args.isa]:
+        # The libraries read their caps as they load, which this process has done: the run is a new one.
+        sys.exit(subprocess.run([sys.executable, *sys.argv], env=capped_environ(args.isa)).returncode)
     if args.quick:
         args.repeats, args.tokens, args.trials, args.long = 4, 2048, 4, 1024
     if args.threads < 1:

@@ -1,11 +1,14 @@
-"""kvlab.machine.timing: the one timer, the machine record, and the bandwidth and FLOP/s probes."""
+"""kvlab.machine.timing and .isa: the one timer, the machine record, the bandwidth and FLOP/s probes, and the
+instruction-set caps."""
 
 import math
 import time
 
 import pytest
 
+from kvlab.machine import isa
 from kvlab.machine.device import last_level_cache_bytes
+from kvlab.machine.isa import ISA_CAPS, capped_environ, isa_caps_in_effect
 from kvlab.machine.timing import (
     Stopwatch,
     bandwidth_buffer_mb,
@@ -61,10 +64,32 @@ def test_bad_timer_arguments_raise_value_error_naming_the_field(kwargs, field):
         time_call(lambda: None, **kwargs)
 
 
-def test_machine_info_records_what_a_timing_depends_on():
+def test_machine_info_records_what_a_timing_depends_on(monkeypatch):
+    for name in ISA_CAPS["avx2"]:
+        monkeypatch.delenv(name, raising=False)
     info = machine_info()
     assert {"cpu", "logical_cpus", "threads", "python", "torch", "platform"} <= set(info)
     assert isinstance(info["threads"], int) and info["threads"] >= 1
+    assert "isa_caps" not in info
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")  # a cap set by hand, at any value, is recorded too
+    assert machine_info()["isa_caps"] == "ONEDNN_MAX_CPU_ISA=AVX512_CORE"
+
+
+def test_an_isa_cap_sets_every_librarys_variable_and_refuses_what_it_cannot_cap(monkeypatch):
+    base = {"PATH": "/bin", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}
+    with pytest.raises(ValueError, match="isa: 'avx512'; allowed: avx2"):
+        capped_environ("avx512", base)
+    monkeypatch.setattr(isa.platform, "machine", lambda: "arm64")
+    with pytest.raises(ValueError, match="isa: 'avx2' caps x86 kernels; this machine is arm64"):
+        capped_environ("avx2", base)
+    monkeypatch.setattr(isa.platform, "machine", lambda: "AMD64")  # Windows spells x86-64 so
+    monkeypatch.setattr(isa.torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    with pytest.raises(ValueError, match="this CPU lacks it.*DEFAULT"):
+        capped_environ("avx2", base)
+    monkeypatch.setattr(isa.torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    env = capped_environ("avx2", base)
+    assert env["PATH"] == "/bin" and env["ONEDNN_MAX_CPU_ISA"] == "AVX2"  # the cap wins over what was set
+    assert isa_caps_in_effect(env) == ISA_CAPS["avx2"] and isa_caps_in_effect({"PATH": "/bin"}) == {}
 
 
 def _fake_cache(root, cpu, index, level, kind, size, shared=None):

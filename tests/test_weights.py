@@ -3,6 +3,7 @@ weight_dtype."""
 
 import copy as copy_module
 import pickle
+import subprocess
 import sys
 import threading
 import warnings
@@ -18,6 +19,7 @@ import kvlab.model.weights
 from autograde import hidden
 from kvlab import Decoder
 from kvlab.checks import check_int8_weight_bytes
+from kvlab.machine.isa import capped_environ
 from kvlab.measure.step_time import layer_weights
 from kvlab.model.weights import (
     WeightFormat,
@@ -159,6 +161,30 @@ def test_half_precision_warns_only_where_no_kernel_reads_it_and_fp16_refuses_wha
             fmt.matmul(torch.randn(1, 16), w)
     meta = torch.empty(16, 8, device="meta")
     assert fmt.matmul(torch.empty(2, 16, device="meta"), meta).shape == (2, 8)  # no range to check on meta
+
+
+def _avx2_cap() -> dict[str, str] | None:
+    try:
+        return capped_environ("avx2")
+    except ValueError:  # not x86, or no AVX2
+        return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_avx2_cap() is None, reason="caps x86 kernels at AVX2: needs an x86 CPU with AVX2")
+def test_this_file_passes_on_the_kernels_an_avx2_only_cpu_runs():
+    """Most learners' laptops have AVX2 and no AVX-512: fbgemm's AVX2 fp16 kernel, no native bf16. On a CPU with
+    more, every library capped at AVX2 runs those kernels, and this file's tests must hold on them too."""
+    env, root = _avx2_cap(), Path(__file__).resolve().parent.parent
+    probe = (
+        "import torch, kvlab.model.weights as w;"
+        "print(torch.backends.cpu.get_cpu_capability(), w.weight_kernel('fp16', 'cpu'), w.weight_kernel('bf16', 'cpu'))"
+    )
+    seen = subprocess.run([sys.executable, "-c", probe], env=env, cwd=root, capture_output=True, text=True, check=True)
+    assert seen.stdout.split() == ["AVX2", "fbgemm-fp16", "cast"]
+    tests = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
+    run = subprocess.run([*tests, "-k", "not avx2_only_cpu"], env=env, cwd=root, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
 
 
 @pytest.mark.parametrize("weight_dtype", ["int8", "fp16"])

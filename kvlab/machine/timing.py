@@ -19,6 +19,7 @@ from typing import TypeVar
 import torch
 
 from kvlab.machine.device import last_level_cache_bytes, resolve_device, synchronize
+from kvlab.machine.isa import isa_caps_in_effect
 from kvlab.spec.dtypes import to_torch
 from kvlab.spec.validation import require_int
 
@@ -156,7 +157,8 @@ def load_average() -> str:
 
 
 def machine_info() -> dict[str, str | int | None]:
-    """What a timing depends on, recorded next to it: CPU, cores, torch's threads, versions, the GPU if any."""
+    """What a timing depends on, recorded next to it: CPU, cores, torch's threads, versions, the GPU if any, and any
+    instruction-set cap the kernels ran under."""
     info: dict[str, str | int | None] = {
         "cpu": cpu_name(),
         "machine": platform.machine(),
@@ -168,6 +170,9 @@ def machine_info() -> dict[str, str | int | None]:
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
+    caps = isa_caps_in_effect()
+    if caps:  # the kernels ran under a cap (kvlab.machine.isa), not the ones this CPU picks
+        info["isa_caps"] = ", ".join(f"{k}={v}" for k, v in caps.items())
     return info
 
 
