@@ -4,6 +4,7 @@ tests/test_grading.py releases, runs and grades every lesson, answered and unans
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -67,3 +68,31 @@ def test_appendix_runs_in_quick_mode(name, tmp_path, monkeypatch):
     NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     for cell in (c for c in nb.cells if c.cell_type == "code"):
         assert not [o for o in cell.outputs if o.output_type == "error" or o.get("name") == "stderr"], cell.source[:80]
+
+
+@pytest.mark.notebooks
+@pytest.mark.slow
+def test_lesson_02_runs_on_the_kernels_an_avx2_only_laptop_runs(tmp_path, monkeypatch):
+    """Lesson 02's weight precisions on the kernels of a CPU with AVX2 and no AVX-512 (most learners' laptops):
+    every cell runs cleanly, fp16 on fbgemm and bf16 on the cast path. On a CPU with more, the kernels are capped.
+    The solution runs as is, so its hidden tests (which import autograde) run too."""
+    from nbclient import NotebookClient
+
+    from kvlab.machine.isa import capped_environ
+
+    try:
+        capped = capped_environ("avx2", {})
+    except ValueError as e:  # not x86, or no AVX2: this CPU runs other kernels anyway
+        pytest.skip(str(e))
+    for name, value in [*capped.items(), ("KVLAB_QUICK", "1")]:
+        monkeypatch.setenv(name, value)  # the kernel inherits them
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    nb = nbformat.read(notebook("solutions", "02_roofline"), as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    printed = ""
+    for cell in (c for c in nb.cells if c.cell_type == "code"):
+        assert not [o for o in cell.outputs if o.output_type == "error" or o.get("name") == "stderr"], cell.source[:80]
+        printed += "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+    assert "CPU capability AVX2" in printed
+    rows = {words[0]: words[1] for words in map(str.split, printed.splitlines()) if words[:1] in (["bf16"], ["fp16"])}
+    assert rows == {"bf16": "cast", "fp16": "fbgemm-fp16"}, printed[-2000:]
