@@ -38,8 +38,9 @@ def capped_environ(isa: str, base: Mapping[str, str] | None = None) -> dict[str,
         raise ValueError(f"isa: {isa!r}; allowed: {', '.join(ISA_CAPS)}")
     if platform.machine().lower() not in ("x86_64", "amd64"):
         raise ValueError(f"isa: {isa!r} caps x86 kernels; this machine is {platform.machine()}: allowed on x86 only")
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        raise ValueError(f"isa: {isa!r}; this CPU lacks it (PyTorch sees {torch.backends.cpu.get_cpu_capability()})")
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        raise ValueError(f"isa: {isa!r}; this CPU lacks it (PyTorch sees {capability})")
     return {**(os.environ if base is None else base), **ISA_CAPS[isa]}
 
 
