@@ -1,14 +1,15 @@
-"""The decode step as one flat module, two ways, for ``benchmarks/weight_term.py``: measuring instruments, not kvlab.
+"""The decode step as one flat module, three ways, for ``benchmarks/weight_term.py``: measuring instruments, not kvlab.
 
 - ``FlatStep``: the model's step with every abstraction taken out, in eager PyTorch: the floor of what PyTorch's cost
   per call allows.
 - ``onnx_step``: that module exported to ONNX and run whole by ONNX Runtime (K/V as inputs, new rows as outputs): the
   ceiling of a step with no Python in it, and no cache either.
+- ``openvino_step``: the same graph compiled by OpenVINO, whose kernels are another runtime's.
 
 kvlab's own ONNX Runtime step, which keeps every cache, is ``Decoder(cfg, runtime="onnx")`` (``kvlab.model.onnx_step``).
 ``check_step`` holds each instrument to the model's logits (``tests/test_flat_step.py``). ONNX Runtime and ``onnx``
-come with ``pip install -e .[onnx]``; without them ``onnx_step`` returns None. Measurements: docs/cpu_performance.md,
-sections G and H.
+come with ``pip install -e .[onnx]``, OpenVINO with ``.[openvino]``; without them ``onnx_step`` and ``openvino_step``
+return None. Measurements: docs/cpu_performance.md, sections G, H and O.
 """
 
 from __future__ import annotations
@@ -143,32 +144,68 @@ def check_step(model: Decoder, tokens: list[int], step: Step | None = None) -> f
     return worst
 
 
+def _export(flat: FlatStep, path: str) -> list[str]:
+    """Write ``flat`` to ``path`` as an ONNX graph whose cache grows along the token axis; its input names."""
+    keys, values = flat.empty_cache()
+    example = (torch.zeros(1, dtype=torch.long), torch.ones(1, flat.d), torch.zeros(1, flat.d), keys, values)
+    names = ["token", "cos", "sin", "keys", "values"]
+    dynamic = {"keys": {3: "tokens"}, "values": {2: "tokens"}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the TorchScript-based exporter is deprecated; it still traces this graph
+        outputs = ["logits", "new_keys", "new_values"]
+        torch.onnx.export(
+            flat, example, path, dynamo=False, input_names=names, output_names=outputs, dynamic_axes=dynamic
+        )
+    return names
+
+
 def onnx_step(flat: FlatStep, threads: int) -> Step | None:
     """``flat`` exported to ONNX and run by ONNX Runtime on ``threads`` threads, with ``FlatStep``'s signature; None
     without ``onnxruntime`` and ``onnx``. ONNX Runtime runs the graph from C++, so a step pays no Python per operation.
     Its threads spin between runs, fastest when nothing else runs in between (``weight_term.py`` times it alone)."""
     try:
+        import onnx  # noqa: F401 (the exporter writes through it)
         import onnxruntime
     except ImportError:
         print("onnxruntime candidates skipped: pip install -e .[onnx] (onnx, onnxruntime)")
         return None
-    keys, values = flat.empty_cache()
-    example = (torch.zeros(1, dtype=torch.long), torch.ones(1, flat.d), torch.zeros(1, flat.d), keys, values)
-    names = ["token", "cos", "sin", "keys", "values"]
-    dynamic = {"keys": {3: "tokens"}, "values": {2: "tokens"}}
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the TorchScript-based exporter is deprecated; it still traces this graph
+    with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "graph.onnx")
-        outputs = ["logits", "new_keys", "new_values"]
-        torch.onnx.export(
-            flat, example, path, dynamo=False, input_names=names, output_names=outputs, dynamic_axes=dynamic
-        )
+        names = _export(flat, path)
         session = onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
 
     def step(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         outputs = session.run(None, {name: x.numpy() for name, x in zip(names, inputs, strict=True)})
         return tuple(torch.from_numpy(o) for o in outputs)
+
+    return step
+
+
+def openvino_step(flat: FlatStep, threads: int) -> Step | None:
+    """The graph ``onnx_step`` runs, compiled by OpenVINO's CPU plugin on ``threads`` threads instead, with
+    ``FlatStep``'s signature; None without ``openvino`` and ``onnx``. The same graph on another runtime's kernels:
+    OpenVINO repacks the weights for its own, which read them faster than ONNX Runtime's on the AMD machine
+    (docs/cpu_performance.md, section O).
+
+    Its precision is pinned to fp32: on a CPU with bf16 instructions (AVX512-BF16, AMX) OpenVINO's default
+    (``INFERENCE_PRECISION_HINT``) is bf16, which would read half the bytes and change the logits."""
+    try:
+        import onnx  # noqa: F401 (the exporter writes through it)
+        import openvino
+    except ImportError:
+        print("openvino candidate skipped: pip install -e .[openvino] (onnx, openvino)")
+        return None
+    config = {"INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY"}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "graph.onnx")
+        _export(flat, path)
+        core = openvino.Core()
+        request = core.compile_model(core.read_model(path), "CPU", config).create_infer_request()
+
+    def step(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outputs = request.infer([x.numpy() for x in inputs], share_inputs=True)
+        return tuple(torch.from_numpy(outputs[i]) for i in range(len(outputs)))
 
     return step

@@ -21,8 +21,9 @@ of load from elsewhere slows each a little rather than one a lot:
    few PyTorch calls as eager mode allows; and, where ``onnxruntime`` and ``onnx`` are installed, each in a loop of
    its own, the model's step with ``runtime="onnx"`` and ``"onnx-packed"`` on its ``new_cache`` (one ONNX Runtime
    graph a step, attention included: ``kvlab.model.onnx_step``), and the flat module exported and run whole by ONNX
-   Runtime, with its weights inside the graph. The gap between the model and the floor is kvlab's own overhead;
-   between the floor and ONNX Runtime, PyTorch's cost per call;
+   Runtime, with its weights inside the graph, and by OpenVINO where ``openvino`` is installed (``pip install -e
+   .[openvino]``): the same graph on another runtime's kernels. The gap between the model and the floor is kvlab's
+   own overhead; between the floor and ONNX Runtime, PyTorch's cost per call;
 4. at more than one thread, the weights the model cuts into column blocks (``kvlab.model.weights.splits_columns``):
    a pass over them by ``x @ W`` and by ``column_blocks_matmul``, at 1, 2, 4 and 8 rows.
 
@@ -38,6 +39,7 @@ A benchmark, not a test: say how loaded the machine was (the script prints the l
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -66,11 +68,14 @@ from kvlab.model.weights import WeightFormat, column_blocks_matmul, numpy_openbl
 from kvlab.roofline import weight_bytes_read
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from flat_step import FlatStep, check_step, floor_covers, onnx_step  # noqa: E402 (beside us)
+from flat_step import FlatStep, check_step, floor_covers, onnx_step, openvino_step  # noqa: E402 (beside us)
 
 # llama.cpp 0c1e570 on cpu-small converted to GGUF F32, zero-context step, 2-core AMD EPYC Zen 3
 # (docs/cpu_performance.md, section A): ms at one and two threads.
 LLAMA_CPP_F32_MS = {1: 6.6, 2: 5.1}
+
+# The flat step exported to ONNX and run whole, by runtime: no Python per operation, no cache object.
+WHOLE_FLAT_STEPS = {"onnxruntime": onnx_step, "openvino": openvino_step}
 
 
 def matvec_candidates(model: Decoder) -> tuple[dict[str, object], dict[str, int]]:
@@ -229,9 +234,10 @@ def measure(
     alone = {}
     for runtime, runtime_model in runtimes.items():
         alone[f"step, {runtime}, own loop"] = zero_context_step(runtime_model)
-    onnx = onnx_step(flat, threads) if flat is not None else None
-    if onnx is not None:
-        alone["onnxruntime, whole flat step"] = lambda: onnx(*zero)
+    for name, make in WHOLE_FLAT_STEPS.items():
+        whole = make(flat, threads) if flat is not None else None
+        if whole is not None:
+            alone[f"{name}, whole flat step"] = functools.partial(whole, *zero)
     for name, fn in alone.items():
         (seconds,) = time_interleaved({name: fn}, repeats, warmup=2, clock=clock).values()
         ms[name], steps[name] = statistics.median(seconds) * 1e3, fn
@@ -313,11 +319,12 @@ def main() -> None:
     if floor_covers(model):
         with torch.inference_mode():
             floor_diff = check_step(model, list(range(1, 9)))
-            onnx = onnx_step(FlatStep(model), 1)
-            onnx_diff = None if onnx is None else check_step(model, list(range(1, 9)), onnx)
-        print(f"eager floor: the model's logits over 8 steps, largest difference {floor_diff:.1e}")
-        if onnx_diff is not None:
-            print(f"onnxruntime, whole flat step: the model's logits over 8 steps, largest difference {onnx_diff:.1e}")
+            print(f"eager floor: the model's logits over 8 steps, largest difference {floor_diff:.1e}")
+            for name, make in WHOLE_FLAT_STEPS.items():
+                whole = make(FlatStep(model), 1)
+                if whole is not None:
+                    diff = check_step(model, list(range(1, 9)), whole)
+                    print(f"{name}, whole flat step: the model's logits over 8 steps, largest difference {diff:.1e}")
     for runtime, runtime_model in runtimes.items():
         with torch.inference_mode():
             runtime_diff = max_logit_diff(model, runtime_model, list(range(1, 9)))
@@ -340,7 +347,8 @@ def main() -> None:
                 "ONNX Runtime graph a step, attention included, on torch's thread count), timed in a loop of its own; "
                 "'onnx-packed': the same graph holding a copy of the weights repacked by ONNX Runtime.",
                 "onnxruntime, whole flat step: the flat step exported to ONNX and run by ONNX Runtime's C++ executor "
-                "(timed in a loop of its own), with no Python per operation and no cache object: a ceiling.",
+                "(timed in a loop of its own), with no Python per operation and no cache object: a ceiling; "
+                "openvino: the same graph compiled by OpenVINO in fp32, on its own kernels.",
             ]
         )
     )
