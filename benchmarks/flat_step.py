@@ -190,7 +190,7 @@ def openvino_step(flat: FlatStep, threads: int) -> Step | None:
     (docs/cpu_performance.md, section O).
 
     Its precision is pinned to fp32: on a CPU with bf16 instructions (AVX512-BF16, AMX) OpenVINO's default
-    (``INFERENCE_PRECISION_HINT``) is bf16, which would read half the bytes and change the logits."""
+    (``INFERENCE_PRECISION_HINT``) is bf16: its products would no longer be the model's fp32 ones, nor its logits."""
     try:
         import onnx  # noqa: F401 (the exporter writes through it)
         import openvino
