@@ -206,6 +206,6 @@ def openvino_step(flat: FlatStep, threads: int) -> Step | None:
 
     def step(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         outputs = request.infer([x.numpy() for x in inputs], share_inputs=True)
-        return tuple(torch.from_numpy(outputs[i]) for i in range(len(outputs)))
+        return tuple(torch.from_numpy(o) for o in outputs.to_tuple())
 
     return step
