@@ -3,6 +3,7 @@ between commits told apart from the machine's drift.
 
     python benchmarks/tree_ab.py abeb7d8 HEAD           # 30 rounds, one thread, cpu-small: about 5 minutes
     python benchmarks/tree_ab.py abeb7d8 HEAD . --keep  # '.': the working tree as it is; one process per tree
+    python benchmarks/tree_ab.py HEAD . --runtime onnx-packed  # Decoder's runtime in every tree (.[onnx])
 
 Each revision's ``kvlab/`` is exported with ``git archive`` into a temporary directory; a directory that holds a
 ``kvlab/`` package is used as it is. A sample is a new Python process, which imports that tree's kvlab (the table
@@ -38,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 FRESH_BURSTS = 5
 
 
-def child(tree: str, preset: str, threads: int, steps: int) -> None:
+def child(tree: str, preset: str, threads: int, steps: int, runtime: str) -> None:
     """Runs in a tree's own process: ``ready <kvlab path>``, then ``<wall ms> <thread ms>`` for each line read."""
     sys.path.insert(0, tree)
     import torch
@@ -50,7 +51,13 @@ def child(tree: str, preset: str, threads: int, steps: int) -> None:
         sys.exit(f"kvlab was imported from {kvlab.__file__}, not from the tree {tree}")
     if not (hasattr(kvlab, "Decoder") and hasattr(kvlab, "get_model")):
         sys.exit("its kvlab has no kvlab.Decoder and kvlab.get_model: a revision older than this script can time")
-    model = kvlab.Decoder(kvlab.get_model(preset), device="cpu")
+    try:
+        # Passed only when asked for: revisions from before Decoder had a runtime time their eager step.
+        model = kvlab.Decoder(
+            kvlab.get_model(preset), device="cpu", **({} if runtime == "eager" else {"runtime": runtime})
+        )
+    except (TypeError, ValueError) as e:
+        sys.exit(f"--runtime {runtime}: this tree's Decoder refused it: {e}")
     model.eval()
     token = torch.zeros(1, 1, dtype=torch.long)
 
@@ -130,7 +137,7 @@ class Runner:
         a = self.args
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(self.tree.path), "--model", a.model]
         proc = subprocess.Popen(
-            [*cmd, "--threads", str(a.threads), "--steps", str(a.steps)],
+            [*cmd, "--threads", str(a.threads), "--steps", str(a.steps), "--runtime", a.runtime],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -164,7 +171,8 @@ class Runner:
 def report(trees: list[Tree], args: argparse.Namespace) -> list[str]:
     mode = "one process per tree" if args.keep else "a new process per sample"
     lines = [
-        f"{args.cfg.name}, decode steps from an empty cache (context 0-{args.steps - 1}), {args.threads} torch "
+        f"{args.cfg.name}, runtime {args.runtime}, decode steps from an empty cache (context 0-{args.steps - 1}), "
+        f"{args.threads} torch "
         f"thread{'s' if args.threads > 1 else ''}, {args.rounds} round{'s' if args.rounds > 1 else ''}; a sample: "
         f"{'one burst' if args.keep else f'the median of {FRESH_BURSTS} bursts'} of {args.steps} steps, {mode}"
     ]
@@ -212,6 +220,9 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argpa
         "--model", default="cpu-small", help="a small runnable preset every tree knows (default cpu-small)"
     )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument(
+        "--runtime", default="eager", help="Decoder's runtime in every tree (default eager; e.g. onnx, onnx-packed)"
+    )
     parser.add_argument("--rounds", type=int, default=30, help="turns each tree takes (default 30)")
     parser.add_argument("--steps", type=int, default=16, help="decode steps per burst (default 16)")
     parser.add_argument("--keep", action="store_true", help="one process per tree, kept: faster, biased by the process")
@@ -259,7 +270,7 @@ def runnable_preset(name: str, parser: argparse.ArgumentParser):
 def main(argv: list[str] | None = None) -> None:
     parser, args = parse(argv)
     if args.child is not None:
-        child(args.child, args.model, args.threads, args.steps)
+        child(args.child, args.model, args.threads, args.steps, args.runtime)
         return
     with tempfile.TemporaryDirectory(prefix="kvlab-tree-ab-") as workdir:
         trees = [prepare(spec, Path(workdir), parser) for spec in args.trees]

@@ -20,6 +20,7 @@ import torch
 
 from kvlab import Decoder
 from kvlab.cache import ContiguousKVCache, PagedKVCache, SharedPrefixKVCache, StaticKVCache
+from kvlab.model.attention import Attention
 from kvlab.model.layers import RMSNorm, RotaryEmbedding
 from kvlab.spec.config import MLAConfig
 
@@ -248,6 +249,42 @@ def test_onnx_runtime_takes_head_dims_its_attention_does_not_on_the_split_path(c
     tokens = torch.randint(0, 101, (1, 8), generator=torch.Generator().manual_seed(3))
     assert decode_both(eager, onnx, lambda m: m.new_cache(1, 8), tokens, 3) == 5
     assert capfd.readouterr().err == ""
+
+
+@needs_onnxruntime
+def test_the_whole_step_graph_computes_no_shape_from_the_batch() -> None:
+    """Every shape in the whole-step graph but the batch is a constant: a shape read from the input in the graph
+    (``Shape``, then arithmetic on it) runs again at every step. Without them, cpu-small's zero-context step took 8%
+    less time at one thread and 11% less at two (docs/cpu_performance.md, section P)."""
+    import onnx
+
+    for runtime in ("onnx", "onnx-packed"):
+        graph = onnx.load_from_string(
+            Decoder(tiny_config(n_kv_heads=2), device="cpu", runtime=runtime)._onnx_step.whole.onnx
+        )
+        ops = {node.op_type for node in graph.graph.node}
+        assert "Shape" not in ops and "SimplifiedLayerNormalization" in ops, sorted(ops)
+
+
+class HalvedAttention(Attention):
+    """kvlab's attention with its output halved: a subclass the whole-step graph does not write out."""
+
+    def output(self, attended: torch.Tensor) -> torch.Tensor:
+        return super().output(attended) * 0.5
+
+
+@needs_onnxruntime
+def test_onnx_runtime_runs_an_attention_of_another_kind_in_the_split_graphs(graph_runs) -> None:
+    """The whole-step graph writes out kvlab's own ``Attention``; a model whose layers attend through a subclass runs
+    the split graphs, which trace the subclass's methods, even on the cache ``new_cache`` makes for one graph."""
+    eager, onnx = pair(tiny_config())
+    for model in (eager, onnx):
+        for block in model.layers:
+            block.attn.__class__ = HalvedAttention
+    onnx.runtime = "onnx"  # a module replaced after the runtime was set takes setting it again
+    tokens = torch.randint(0, 101, (1, 8), generator=torch.Generator().manual_seed(4))
+    assert decode_both(eager, onnx, lambda m: m.new_cache(1, 8), tokens, 3) == 5
+    assert graph_runs[0] == 5 * (2 * eager.cfg.n_layers + 1)
 
 
 @needs_onnxruntime

@@ -3,6 +3,7 @@ the trees take turns, and a bad tree or count is refused by name before anything
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -114,3 +115,20 @@ def test_a_tree_that_cannot_start_is_named(tmp_path) -> None:
     result = run(str(tmp_path), f"{tmp_path}/.", "--model", "cpu-tiny", "--rounds", "1")  # one tree, two names
     assert result.returncode == 1
     assert f"tree {str(tmp_path)!r} (dir) did not start: its kvlab has no kvlab.Decoder" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("onnxruntime") is None or importlib.util.find_spec("onnx") is None,
+    reason="pip install -e .[onnx]",
+)
+def test_every_tree_runs_the_runtime_asked_for(copied_tree) -> None:
+    """``--runtime`` reaches each tree's Decoder and the report says which runtime it timed; one a tree's Decoder
+    refuses is named with that tree's own message."""
+    result = run(str(copied_tree), f"{copied_tree}/.", "--model", "cpu-tiny", "--rounds", "1", "--steps", "3",
+                 "--runtime", "onnx-packed")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "cpu-tiny, runtime onnx-packed, decode steps" in result.stdout
+    result = run(str(copied_tree), f"{copied_tree}/.", "--model", "cpu-tiny", "--rounds", "1", "--runtime", "fast")
+    assert result.returncode == 1
+    assert "--runtime fast: this tree's Decoder refused it: runtime: 'fast'; allowed: 'eager'" in result.stderr

@@ -113,7 +113,10 @@ class SwiGLU(nn.Module):
         self.weights = WeightFormat() if weights is None else weights
         self.w_gate_up = nn.Parameter(torch.empty(d_model, 2 * d_ff))  # [in, gate | up]
         self.w_down = nn.Parameter(torch.empty(d_ff, d_model))
+        self.d_ff = d_ff
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.weights.matmul(x, self.w_gate_up).chunk(2, dim=-1)
+        # Split by constant sizes, not chunk(2): an ONNX export of chunk computes the halves' sizes from the input's
+        # shape in the graph, several more operators a layer when the batch axis is left free (kvlab.model.onnx_step).
+        gate, up = self.weights.matmul(x, self.w_gate_up).split([self.d_ff, self.d_ff], dim=-1)
         return self.weights.matmul(F.silu(gate) * up, self.w_down)

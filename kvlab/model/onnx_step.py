@@ -12,7 +12,10 @@ step:
   fp32 whose keys are token-major, ``[B, Hkv, capacity, D]`` like its values. That is the layout ONNX Runtime's
   ``GroupQueryAttention`` operator reads and writes in place, so the embedding, every layer with its attention, and
   the head run as one graph over the cache's own slabs, with no PyTorch operation between two steps' weight reads.
-  Under ``runtime="onnx"`` its weights are bound to the parameters by address (no copy), so weights edited or
+  It writes kvlab's ``Attention`` out for one token, every size but the batch a constant, and each ``RMSNorm`` as
+  ONNX Runtime's ``SimplifiedLayerNormalization``: 189 operators a step on cpu-small, where a trace of the block's
+  halves ran 580 (docs/cpu_performance.md, section P); a model whose attention is another module keeps the split
+  graphs. Under ``runtime="onnx"`` its weights are bound to the parameters by address (no copy), so weights edited or
   loaded in place are read as they are. Under ``runtime="onnx-packed"`` its session holds them as initializers,
   read from the parameters' memory, so ONNX Runtime repacks the matrices into its own layout once, when it makes
   the session. That copy (about 1.4 times the weights' bytes again per thread count a step has run at, measured as
@@ -49,11 +52,13 @@ from collections.abc import Callable
 import numpy as np
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.nn.modules import module as module_hooks
 
 from kvlab.cache.base import KVCache
 from kvlab.cache.storage.slab import ContiguousKVCache
-from kvlab.model.layers import rope_angles
+from kvlab.model.attention import Attention
+from kvlab.model.layers import RMSNorm, apply_rope, rope_angles
 
 # ``model`` below is a ``kvlab.model.decoder.Decoder``, which imports this module: typed as the nn.Module it is.
 
@@ -294,26 +299,27 @@ def _address(t: torch.Tensor, name: str) -> int:
 class _GroupQueryAttention(torch.autograd.Function):
     """ONNX Runtime's ``GroupQueryAttention`` (domain ``com.microsoft``) as the exporter sees it.
 
-    One new token per sequence: ``q`` ``[B, 1, H * D]`` (already scaled), ``k``, ``v`` ``[B, 1, Hkv * D]``, over a
-    layer's key and value slabs ``[B, Hkv, capacity, D]``. It writes ``k`` and ``v`` into slot ``seqlens[b]`` of
-    each sequence and attends over slots ``0 .. seqlens[b]`` (``total`` = the longest, plus one). Its present
-    outputs are bound to the same memory as the slabs, so it writes in place and reads no slot past the length.
-    Query head ``h`` reads KV head ``h // (H / Hkv)``, as ``kvlab.model.attention.group_queries`` groups them.
-    Only ever traced: PyTorch runs ``forward`` for the shapes, ONNX Runtime runs the operator.
+    One new token per sequence: ``q`` ``[B, 1, H * D]``, ``k``, ``v`` ``[B, 1, Hkv * D]`` (``q`` and ``k`` roped), over
+    a layer's key and value slabs ``[B, Hkv, capacity, D]``, with the softmax scale ``scale``. It writes ``k`` and
+    ``v`` into slot ``seqlens[b]`` of each sequence and attends over slots ``0 .. seqlens[b]`` (``total`` = the
+    longest, plus one). Its present outputs are bound to the same memory as the slabs, so it writes in place and reads
+    no slot past the length. Query head ``h`` reads KV head ``h // (H / Hkv)``, as
+    ``kvlab.model.attention.group_queries`` groups them. Only ever traced: PyTorch runs ``forward`` for the shapes,
+    ONNX Runtime runs the operator.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, keys, values, seqlens, total, n_heads: int, n_kv_heads: int):  # noqa: ARG004
+    def forward(ctx, q, k, v, keys, values, seqlens, total, n_heads: int, n_kv_heads: int, scale: float):  # noqa: ARG004
         return torch.zeros_like(q), keys.clone(), values.clone()
 
     @staticmethod
-    def symbolic(g, q, k, v, keys, values, seqlens, total, n_heads: int, n_kv_heads: int):
+    def symbolic(g, q, k, v, keys, values, seqlens, total, n_heads: int, n_kv_heads: int, scale: float):
         outputs = g.op(
             "com.microsoft::GroupQueryAttention",
             *(q, k, v, keys, values, seqlens, total),
             num_heads_i=n_heads,
             kv_num_heads_i=n_kv_heads,
-            scale_f=1.0,
+            scale_f=scale,
             outputs=3,
         )
         for out, like in zip(outputs, (q, keys, values), strict=True):
@@ -321,29 +327,51 @@ class _GroupQueryAttention(torch.autograd.Function):
         return outputs
 
 
+class _SimplifiedLayerNorm(torch.autograd.Function):
+    """``RMSNorm`` as ONNX Runtime's ``SimplifiedLayerNormalization``: ``x / sqrt(mean(x**2) + eps) * weight`` over
+    the last axis, in fp32. One operator where the traced module is six."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):  # noqa: ARG004
+        return F.rms_norm(x, weight.shape, weight, eps)
+
+    @staticmethod
+    def symbolic(g, x, weight, eps: float):
+        out = g.op("SimplifiedLayerNormalization", x, weight, axis_i=-1, epsilon_f=eps, stash_type_i=1)
+        out.setType(x.type())
+        return out
+
+
+def _norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` for the whole-step graph: one ``SimplifiedLayerNormalization`` for kvlab's ``RMSNorm``, the module
+    itself, traced, for any other."""
+    return _SimplifiedLayerNorm.apply(x, norm.weight, norm.eps) if type(norm) is RMSNorm else norm(x)
+
+
 def _whole_step(model: nn.Module, tokens, seqlens, inv_freq, sign, *slabs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The decode step of ``tokens`` ``[B, 1]`` at positions ``seqlens`` ``[B]``, every layer and the head, attention
     through ``_GroupQueryAttention`` on ``slabs`` (each layer's keys, then values) -> the logits, then each slab as
     written. The embedding and RoPE's angles (from the model's ``inv_freq`` and ``sign``, bound like its weights) are
-    in the graph too, so a step runs no PyTorch operation around it."""
+    in the graph too, so a step runs no PyTorch operation around it.
+
+    ``Attention.project`` and ``output`` are written out for one token, every size but the batch a constant; the
+    MLP and the head are the model's own modules; each ``RMSNorm`` is one ``_SimplifiedLayerNorm``. The traced
+    ``Block`` halves read their sizes from their input, which a free batch axis leaves to the graph to compute at
+    every step: 580 operators a step on cpu-small, against 189 (docs/cpu_performance.md, section P)."""
     cfg, written = model.cfg, []
+    h, hkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     total = seqlens.max() + 1
-    cos, sin = rope_angles(seqlens.long()[:, None], inv_freq, sign)
+    cos, sin = rope_angles(seqlens.long()[:, None], inv_freq, sign)  # [B, 1, 1, D]
     x = model.embed(tokens)
     for block, keys, values in zip(model.layers, slabs[::2], slabs[1::2], strict=True):
-        q, k, v = block.before_attention(x, cos, sin)
-        attended, keys, values = _GroupQueryAttention.apply(
-            q.flatten(1).unsqueeze(1),
-            k.flatten(2),
-            v.flatten(2),
-            keys,
-            values,
-            seqlens,
-            total,
-            cfg.n_heads,
-            cfg.n_kv_heads,
-        )
-        x = block.after_attention(x, attended.view_as(q))
+        attn = block.attn
+        qkv = attn.weights.matmul(_norm(block.attn_norm, x), attn.wqkv)  # [B, 1, (H + 2 Hkv) * D]: q | k | v
+        qk, v = qkv.split([(h + hkv) * d, hkv * d], -1)
+        qk = apply_rope(qk.view(-1, 1, h + hkv, d), cos, sin).view(-1, 1, (h + hkv) * d)
+        q, k = qk.split([h * d, hkv * d], -1)
+        attended, keys, values = _GroupQueryAttention.apply(q, k, v, keys, values, seqlens, total, h, hkv, attn.scale)
+        x = x + attn.weights.matmul(attended, attn.wo)
+        x = x + block.mlp(_norm(block.mlp_norm, x))
         written += [keys, values]
     return model._logits(x), *written
 
@@ -455,7 +483,7 @@ class OnnxStep:
     """``model``'s decode step with its dense parts in ONNX Runtime (see the module docstring). ``step(tokens [B, 1],
     cache)`` -> logits ``[B, vocab]``, as ``Decoder.decode_step``.
 
-    Each graph is exported at the first step that needs it: the whole step (about 2 s on cpu-small) on a cache that
+    Each graph is exported at the first step that needs it: the whole step (about 1 s on cpu-small) on a cache that
     ``_reads_in_place``, where ONNX Runtime's ``GroupQueryAttention`` writes and reads the cache's slabs where they
     are; the two halves of a layer and the head (about 0.5 s) on any other cache, around the cache's own attention.
 
@@ -473,7 +501,9 @@ class OnnxStep:
             raise ValueError(f"runtime: {self.runtime!r} for {reason}")
         _install_hooks()
         self.model = model
-        self.one_graph = one_graph_covers(model.cfg)  # the config is fixed: asked once, not at every step
+        # The whole-step graph writes out kvlab's own Attention (_whole_step): a layer whose attention is another
+        # module keeps the split graphs, which trace it. Asked once: a module replaced later takes a new runtime.
+        self.one_graph = one_graph_covers(model.cfg) and all(type(block.attn) is Attention for block in model.layers)
         self.lock = threading.Lock()
         self._forget_plans()
 
