@@ -125,10 +125,10 @@ def test_a_tree_that_cannot_start_is_named(tmp_path) -> None:
 def test_every_tree_runs_the_runtime_asked_for(copied_tree) -> None:
     """``--runtime`` reaches each tree's Decoder and the report says which runtime it timed; one a tree's Decoder
     refuses is named with that tree's own message."""
-    result = run(str(copied_tree), f"{copied_tree}/.", "--model", "cpu-tiny", "--rounds", "1", "--steps", "3",
-                 "--runtime", "onnx-packed")  # fmt: skip
+    tiny = ("--model", "cpu-tiny", "--rounds", "1", "--steps", "3")
+    result = run(str(copied_tree), f"{copied_tree}/.", *tiny, "--runtime", "onnx-packed")
     assert result.returncode == 0, result.stderr
     assert "cpu-tiny, runtime onnx-packed, decode steps" in result.stdout
-    result = run(str(copied_tree), f"{copied_tree}/.", "--model", "cpu-tiny", "--rounds", "1", "--runtime", "fast")
+    result = run(str(copied_tree), f"{copied_tree}/.", *tiny, "--runtime", "fast")
     assert result.returncode == 1
     assert "--runtime fast: this tree's Decoder refused it: runtime: 'fast'; allowed: 'eager'" in result.stderr
