@@ -277,12 +277,13 @@ class HalvedAttention(Attention):
 @needs_onnxruntime
 def test_onnx_runtime_runs_an_attention_of_another_kind_in_the_split_graphs(graph_runs) -> None:
     """The whole-step graph writes out kvlab's own ``Attention``; a model whose layers attend through a subclass runs
-    the split graphs, which trace the subclass's methods, even on the cache ``new_cache`` makes for one graph."""
+    the split graphs, which trace the subclass's methods, and ``new_cache`` keeps keys key-major for them."""
     eager, onnx = pair(tiny_config())
     for model in (eager, onnx):
         for block in model.layers:
             block.attn.__class__ = HalvedAttention
     onnx.runtime = "onnx"  # a module replaced after the runtime was set takes setting it again
+    assert onnx.new_cache(1, 8).key_major
     tokens = torch.randint(0, 101, (1, 8), generator=torch.Generator().manual_seed(4))
     assert decode_both(eager, onnx, lambda m: m.new_cache(1, 8), tokens, 3) == 5
     assert graph_runs[0] == 5 * (2 * eager.cfg.n_layers + 1)

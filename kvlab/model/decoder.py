@@ -23,7 +23,7 @@ from kvlab.machine.device import resolve_device
 from kvlab.model.attention import Attention
 from kvlab.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from kvlab.model.mla import MLAAttention
-from kvlab.model.onnx_step import ONNX_RUNTIMES, RUNTIMES, OnnxStep, one_graph_covers
+from kvlab.model.onnx_step import ONNX_RUNTIMES, RUNTIMES, OnnxStep
 from kvlab.model.weights import WEIGHT_DTYPES, WeightFormat
 from kvlab.spec.config import ModelConfig
 from kvlab.spec.dtypes import KV_DTYPES, canonical_dtype, to_torch
@@ -154,8 +154,8 @@ class Decoder(nn.Module):
         ``kv_dtype`` (default: the model's dtype) is the codec, any of ``kvlab.spec.dtypes.KV_DTYPES``. The storage
         follows the model: MLA's latent slab for an MLA model; a window cache when some layers are local (they
         keep only their window, the global ones everything); a contiguous slab otherwise, its keys token-major under
-        ``runtime="onnx"`` in fp32 where one graph covers the model (``kvlab.model.onnx_step.one_graph_covers``): the
-        layout whose decode step runs as one graph.
+        ``runtime="onnx"`` in fp32 where one graph covers the model (``OnnxStep.one_graph``): the layout whose
+        decode step runs as one graph.
         """
         cfg = self.cfg
         capacity = cfg.max_seq_len if capacity is None else capacity
@@ -170,7 +170,8 @@ class Decoder(nn.Module):
             return LatentKVCache.for_model(self, batch_size, capacity, codec=codec)
         if local:
             return WindowKVCache.for_model(self, batch_size, capacity, window=cfg.layer_windows, codec=codec)
-        one_graph = self.runtime in ONNX_RUNTIMES and codec == "fp32" and one_graph_covers(cfg)
+        # The step decided once whether one graph covers this model (its config and its attention modules).
+        one_graph = self._onnx_step is not None and self._onnx_step.one_graph and codec == "fp32"
         return ContiguousKVCache.for_model(self, batch_size, capacity, codec=codec, key_major=not one_graph)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
