@@ -101,9 +101,9 @@ def main() -> None:
     commands = {"course": course, "test": test}
     # The tests also get kvlab[gpu] (Triton, about 1 GB), whose kernels they run in Triton's CPU interpreter,
     # kvlab[classroom] (JupyterHub and its proxy), which the classroom tests start on loopback, kvlab[onnx]
-    # (ONNX Runtime), which runtime="onnx" and the flat-step benchmark's tests run, and kvlab[openvino], the flat
-    # step's third instrument.
-    extras = {"course": "course,dev", "test": "course,dev,gpu,classroom,onnx,openvino"}
+    # (ONNX Runtime), which runtime="onnx" and the flat-step benchmark's tests run, kvlab[numba], which
+    # runtime="numba" compiles with, and kvlab[openvino], the flat step's third instrument.
+    extras = {"course": "course,dev", "test": "course,dev,gpu,classroom,onnx,numba,openvino"}
     if len(sys.argv) != 2 or sys.argv[1] not in commands:
         sys.exit(f"usage: python3 bootstrap.py {{{','.join(commands)}}}")
     if sys.version_info < (3, 10):  # noqa: UP036 -- this file runs before anything checks the version

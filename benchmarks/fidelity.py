@@ -35,7 +35,7 @@ from kvlab import Decoder, get_model
 from kvlab.cli import parse_tokens
 from kvlab.machine.timing import Bandwidth, bandwidth_buffer_mb, machine_info, measure_bandwidth, time_interleaved
 from kvlab.measure.sweep import sweep_context
-from kvlab.model.onnx_step import RUNTIMES
+from kvlab.model.runtimes import RUNTIMES
 from kvlab.roofline import predict_tpot_ms
 
 

@@ -12,7 +12,8 @@ of load from elsewhere slows each a little rather than one a lot:
 2. one pass of every projection of a step (8 layers and the head, the model's own weights, in step order) by each
    kernel: summing the same tensors (a read-only stream), torch's ``x @ W`` (MKL in torch's x86 wheels), the
    model's own product (``WeightFormat.matmul``: numpy's OpenBLAS for one row at one thread on an AMD CPU, else
-   torch's), ``F.linear`` on ``[out, in]`` copies, numpy's BLAS (OpenBLAS in numpy's wheels, held to the same
+   torch's), ``F.linear`` on ``[out, in]`` copies, numba's dot of each ``[out, in]`` row (what ``runtime="numba"``
+   runs; ``pip install -e .[numba]``), numpy's BLAS (OpenBLAS in numpy's wheels, held to the same
    thread count through threadpoolctl), and int8 through PyTorch's dynamic quantized linear (what
    ``Decoder(weight_dtype="int8")`` runs), whose bytes are a quarter;
 3. the model's zero-context decode step, against the weight bytes over the read bandwidth (predicted), and, where
@@ -20,7 +21,8 @@ of load from elsewhere slows each a little rather than one a lot:
    one flat module (``benchmarks/flat_step.py``), with no modules inside, no cache object and no checks, about as
    few PyTorch calls as eager mode allows; and, where ``onnxruntime`` and ``onnx`` are installed, each in a loop of
    its own, the model's step with ``runtime="onnx"`` and ``"onnx-packed"`` on its ``new_cache`` (one ONNX Runtime
-   graph a step, attention included: ``kvlab.model.onnx_step``), and the flat module exported and run whole by ONNX
+   graph a step, attention included: ``kvlab.model.onnx_step``), with ``runtime="numba"`` where numba is installed
+   (one compiled call a step: ``kvlab.model.numba_step``), and the flat module exported and run whole by ONNX
    Runtime, with its weights inside the graph, and by OpenVINO where ``openvino`` is installed (``pip install -e
    .[openvino]``): the same graph on another runtime's kernels. The gap between the model and the floor is kvlab's
    own overhead; between the floor and ONNX Runtime, PyTorch's cost per call;
@@ -62,8 +64,10 @@ from kvlab.machine.timing import (
     time_interleaved,
 )
 from kvlab.measure.step_time import layer_weights
+from kvlab.model import numba_step
 from kvlab.model import weights as weight_kernels
-from kvlab.model.onnx_step import ONNX_RUNTIMES, unsupported
+from kvlab.model.onnx_step import unsupported as onnx_unsupported
+from kvlab.model.runtimes import ONNX_RUNTIMES
 from kvlab.model.weights import WeightFormat, column_blocks_matmul, numpy_openblas, splits_columns
 from kvlab.roofline import weight_bytes_read
 
@@ -99,6 +103,11 @@ def matvec_candidates(model: Decoder) -> tuple[dict[str, object], dict[str, int]
         "F.linear [out, in]": run(lambda i: F.linear(xs[i], transposed[i])),
         "int8 dynamic linear": run(lambda i: int8.matmul(xs[i], weights[i])),
     }
+    if numba_step.unsupported(model) is None:  # numba's product, as runtime="numba" runs it on [out, in] rows
+        kernels = numba_step._compiled()
+        rows, xs_np = [t.numpy() for t in transposed], [x.numpy() for x in xs]
+        outs = [np.empty((1, w.shape[1]), np.float32) for w in weights]
+        candidates["numba rows [out, in]"] = run(lambda i: kernels.matvec(rows[i], xs_np[i], outs[i], False))
     fp32_bytes = sum(w.numel() * 4 for w in weights)
     nbytes = dict.fromkeys(candidates, fp32_bytes)
     nbytes["int8 dynamic linear"] = sum(int8.weight_bytes(w) for w in weights)
@@ -304,13 +313,15 @@ def main() -> None:
     if args.clock == "thread" and thread_counts != [1]:
         raise ValueError(f"--clock thread with --threads {args.threads}; allowed: --threads 1 (it counts one thread)")
     model = Decoder(get_model(args.preset), device="cpu")
-    # kvlab's ONNX Runtime steps, each on a model of its own with the same weights.
-    runtimes, why_not = {}, unsupported(model)
-    for runtime in ONNX_RUNTIMES if why_not is None else ():
+    # kvlab's compiled steps, each on a model of its own with the same weights.
+    runtimes = {}
+    for runtime in (*ONNX_RUNTIMES, "numba"):
+        why_not = (numba_step.unsupported if runtime == "numba" else onnx_unsupported)(model)
+        if why_not is not None:
+            print(f"runtime={runtime!r} skipped: {why_not}")
+            continue
         runtimes[runtime] = Decoder(model.cfg, device="cpu", runtime=runtime)
         runtimes[runtime].load_state_dict(model.state_dict())
-    if why_not is not None:
-        print(f"runtime='onnx' and 'onnx-packed' skipped: {why_not}")
     print("environment:", json.dumps(machine_info()), "| OPENBLAS_NUM_THREADS:", os.environ.get("OPENBLAS_NUM_THREADS"))
     # Outside numpy's own loop its BLAS stays at one thread: OpenBLAS's idle threads spin, and beside torch's two
     # they took the second CPU from every other two-thread measurement.
@@ -345,7 +356,9 @@ def main() -> None:
                 "is left above the weight bytes is PyTorch's cost per call.",
                 "runtime='onnx': kvlab's step under Decoder(cfg, runtime='onnx') on the model's own new_cache (one "
                 "ONNX Runtime graph a step, attention included, on torch's thread count), timed in a loop of its own; "
-                "'onnx-packed': the same graph holding a copy of the weights repacked by ONNX Runtime.",
+                "'onnx-packed': the same graph holding a copy of the weights repacked by ONNX Runtime; 'numba': the "
+                "whole step as one call compiled by numba, on one thread, its weights a transposed copy read row by "
+                "row (the 'numba rows [out, in]' pass).",
                 "onnxruntime, whole flat step: the flat step exported to ONNX and run by ONNX Runtime's C++ executor "
                 "(timed in a loop of its own), with no Python per operation and no cache object: a ceiling; "
                 "openvino: the same graph compiled by OpenVINO in fp32, on its own kernels.",

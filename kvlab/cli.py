@@ -379,10 +379,8 @@ def measure_sweep(
     capacity = max(contexts) + 64
     if capacity > cfg.max_seq_len:
         cfg = cfg.replace(max_seq_len=capacity)
-    from kvlab.model.onnx_step import ONNX_RUNTIMES
-
-    if runtime in ONNX_RUNTIMES and device is None:
-        device = "cpu"  # ONNX Runtime's CPU provider: not CUDA, even where it is present
+    if runtime != "eager" and device is None:
+        device = "cpu"  # the compiled runtimes run on the CPU: not CUDA, even where it is present
     _check_runtime(runtime, cfg, device, weight_dtype)
     device = _device(device)
     try:
@@ -408,7 +406,7 @@ def _device(name: str | None):
 def _check_runtime(runtime: str, cfg: ModelConfig, device, weight_dtype: str = "fp32") -> None:
     """Refuse ``--runtime onnx`` (or ``onnx-packed``) for a model it cannot run, in the command line's terms: before a
     model is built."""
-    from kvlab.model.onnx_step import ONNX_RUNTIMES
+    from kvlab.model.runtimes import ONNX_RUNTIMES
 
     if runtime not in ONNX_RUNTIMES:
         return
@@ -471,7 +469,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise UsageError(f"{flag}: only with --endpoint URL (it measures a server, not this machine)")
     import torch
 
-    from kvlab.model.onnx_step import ONNX_RUNTIMES, one_graph_covers
+    from kvlab.model.onnx_step import one_graph_covers
+    from kvlab.model.runtimes import ONNX_RUNTIMES
     from kvlab.model.weights import WEIGHT_DTYPES, numpy_openblas, weight_kernel
 
     contexts = _contexts(args)
@@ -498,6 +497,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     engine = f"runtime {sweep.runtime}"
     if sweep.runtime in ONNX_RUNTIMES:
         engine += " (one graph a step)" if one_graph_covers(cfg) else " (two graphs a layer, attention between)"
+    elif sweep.runtime == "numba":
+        engine += " (one compiled call a step, on one thread)"
     elif weight_dtype != "fp32":
         engine += f", weights {weight_dtype} on {weight_kernel(weight_dtype, sweep.device)}"
     elif str(sweep.device) == "cpu" and n_threads == batch == 1 and cfg.dtype == "fp32" and numpy_openblas():
@@ -748,6 +749,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model, name, bos, eos = load_model(args.model, device)
     except (ValueError, OSError, RuntimeError) as e:
         raise UsageError(f"--model: {args.model}: {e}") from None
+    if args.runtime == "numba":
+        raise UsageError(
+            "--runtime: numba reads contiguous caches only, and kvlab serve's cache is paged; allowed: eager, onnx, "
+            "onnx-packed"
+        )
     if args.runtime:
         _set_runtime(model, args.runtime)
     # By default the pool holds max_batch requests at the model's full context.
@@ -907,7 +913,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="what runs the decode step: eager (PyTorch, the default), onnx (ONNX Runtime, one graph a step where "
         "the model allows, on --threads threads; CPU, fp32, MHA/GQA/MQA; pip install -e .[onnx]), or onnx-packed "
-        "(onnx, its one graph holding a repacked copy of the weights: faster, more memory)",
+        "(onnx, its one graph holding a repacked copy of the weights: faster, more memory), or numba (the whole step "
+        "as one call compiled by numba, on one thread, holding a transposed copy of the weights; CPU, fp32, "
+        "MHA/GQA/MQA; pip install -e .[numba])",
     )
     b.add_argument(
         "--weight-dtype",

@@ -176,7 +176,7 @@ def test_onnx_runtime_in_one_graph_runs_on_torchs_thread_count() -> None:
             torch.testing.assert_close(got, want, **TOL)
     finally:
         torch.set_num_threads(threads)
-    assert sorted(onnx._onnx_step.plans) == [(1, 1), (1, 2)]
+    assert sorted(onnx._compiled_step.plans) == [(1, 1), (1, 2)]
 
 
 @needs_onnxruntime
@@ -210,13 +210,13 @@ def test_onnx_runtime_in_one_graph_refuses_a_cache_of_another_shape_and_keeps_it
         torch.testing.assert_close(got, want, **TOL)
 
     step(3)
-    plan = onnx._onnx_step.plans[1, torch.get_num_threads()]
+    plan = onnx._compiled_step.plans[1, torch.get_num_threads()]
     other = ContiguousKVCache(replace(caches[1].shape, n_layers=1), 1, 12, key_major=False)
     with pytest.raises(ValueError, match=r"cache: n_layers=1, but the model has n_layers=2; allowed: a cache of"):
         onnx.decode_step(torch.tensor([4]), other)
     assert other.length == 0
     step(5)
-    assert onnx._onnx_step.plans[1, torch.get_num_threads()] is plan  # bound once, not again at every step
+    assert onnx._compiled_step.plans[1, torch.get_num_threads()] is plan  # bound once, not again at every step
     del onnx.layers[1]
     with pytest.raises(ValueError, match=r"1 layers where its config names n_layers=2; allowed: the layers"):
         onnx.decode_step(torch.tensor([6]), caches[1])
@@ -261,7 +261,7 @@ def test_the_whole_step_graph_computes_no_shape_from_the_batch() -> None:
 
     for runtime in ("onnx", "onnx-packed"):
         graph = onnx.load_from_string(
-            Decoder(tiny_config(n_kv_heads=2), device="cpu", runtime=runtime)._onnx_step.whole.onnx
+            Decoder(tiny_config(n_kv_heads=2), device="cpu", runtime=runtime)._compiled_step.whole.onnx
         )
         ops = {node.op_type for node in graph.graph.node}
         assert "Shape" not in ops and "SimplifiedLayerNormalization" in ops, sorted(ops)
@@ -404,7 +404,7 @@ def test_onnx_packed_computes_the_eager_steps_logits_in_one_graph(overrides, bat
     assert packed.runtime == "onnx-packed"
     tokens = torch.randint(0, eager.cfg.vocab_size, (batch, 10), generator=torch.Generator().manual_seed(6))
     assert decode_both(eager, packed, lambda m: m.new_cache(batch, 16), tokens, 4) == 6
-    assert graph_runs[0] == 6 and len(packed._onnx_step.whole_sessions) == 1  # one graph a step, holding the weights
+    assert graph_runs[0] == 6 and len(packed._compiled_step.whole_sessions) == 1  # one graph a step, holding weights
 
 
 @needs_onnxruntime
@@ -428,7 +428,7 @@ def test_onnx_packed_reads_weights_changed_through_the_parameters(inference_tens
 
     before = logits(onnx)
     torch.testing.assert_close(before, logits(eager), **TOL)
-    assert len(onnx._onnx_step.whole_sessions) == (0 if inference_tensors else 1)
+    assert len(onnx._compiled_step.whole_sessions) == (0 if inference_tensors else 1)
     other = Decoder(tiny_config(), device="cpu", seed=9).state_dict()
     edit(lambda m: m.load_state_dict(other))
     loaded = logits(onnx)
@@ -457,7 +457,7 @@ def test_a_write_through_data_is_read_under_onnx_and_under_onnx_packed_once_the_
     before = logits(eager)
     for model in (onnx, packed):  # each makes its session before the write
         torch.testing.assert_close(logits(model), before, **TOL)
-    assert not onnx._onnx_step.whole_sessions and len(packed._onnx_step.whole_sessions) == 1
+    assert not onnx._compiled_step.whole_sessions and len(packed._compiled_step.whole_sessions) == 1
     for model in (eager, onnx, packed):
         model.layers[1].mlp.w_down.data.mul_(3)
     want = logits(eager)

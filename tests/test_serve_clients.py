@@ -240,4 +240,4 @@ def test_the_onnx_runtime_serves_what_the_eager_one_does(served: tuple[Server, s
         )
     assert got == want
     # ONNX Runtime ran the batched steps on the paged cache, not an eager fallback
-    assert max(batch for batch, _ in onnx_model._onnx_step.plans) > 1
+    assert max(batch for batch, _ in onnx_model._compiled_step.plans) > 1

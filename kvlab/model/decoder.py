@@ -23,7 +23,9 @@ from kvlab.machine.device import resolve_device
 from kvlab.model.attention import Attention
 from kvlab.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from kvlab.model.mla import MLAAttention
-from kvlab.model.onnx_step import ONNX_RUNTIMES, RUNTIMES, OnnxStep
+from kvlab.model.numba_step import NumbaStep
+from kvlab.model.onnx_step import OnnxStep
+from kvlab.model.runtimes import ONNX_RUNTIMES, RUNTIMES
 from kvlab.model.weights import WEIGHT_DTYPES, WeightFormat
 from kvlab.spec.config import ModelConfig
 from kvlab.spec.dtypes import KV_DTYPES, canonical_dtype, to_torch
@@ -106,7 +108,7 @@ class Decoder(nn.Module):
         # RoPE angles stay fp32 even in a bf16 model: bf16 cannot tell position 300 from 301.
         self.rope.inv_freq = self.rope.inv_freq.float()
         self.eval()
-        self._onnx_step: OnnxStep | None = None
+        self._compiled_step: OnnxStep | NumbaStep | None = None
         self.runtime = runtime
         self._accepted: tuple | None = None  # (cache shape, weight dtype, device) the last cache check passed
 
@@ -117,13 +119,16 @@ class Decoder(nn.Module):
         any other; ``kvlab.model.onnx_step``), or ``"onnx-packed"`` (the same, with the whole-step graph holding a
         copy of the weights repacked for ONNX Runtime's products: faster, more memory, and blind to writes through
         ``.data``). Settable, e.g. after loading a checkpoint."""
-        return "eager" if self._onnx_step is None else self._onnx_step.runtime
+        return "eager" if self._compiled_step is None else self._compiled_step.runtime
 
     @runtime.setter
     def runtime(self, runtime: str) -> None:
         if runtime not in RUNTIMES:
             raise ValueError(f"runtime: {runtime!r}; allowed: {', '.join(map(repr, RUNTIMES))}")
-        self._onnx_step = OnnxStep(self, packed=runtime == "onnx-packed") if runtime in ONNX_RUNTIMES else None
+        if runtime in ONNX_RUNTIMES:
+            self._compiled_step = OnnxStep(self, packed=runtime == "onnx-packed")
+        else:
+            self._compiled_step = NumbaStep(self) if runtime == "numba" else None
 
     @torch.no_grad()
     def reset_parameters(self, seed: int | None = 0) -> None:
@@ -171,7 +176,8 @@ class Decoder(nn.Module):
         if local:
             return WindowKVCache.for_model(self, batch_size, capacity, window=cfg.layer_windows, codec=codec)
         # The step decided once whether one graph covers this model (its config and its attention modules).
-        one_graph = self._onnx_step is not None and self._onnx_step.one_graph and codec == "fp32"
+        step = self._compiled_step
+        one_graph = isinstance(step, OnnxStep) and step.one_graph and codec == "fp32"
         return ContiguousKVCache.for_model(self, batch_size, capacity, codec=codec, key_major=not one_graph)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -272,8 +278,8 @@ class Decoder(nn.Module):
             tokens = tokens[:, None]
         if tokens.shape[-1] != 1:
             raise ValueError(f"tokens: decode_step takes one token per sequence; got shape {tuple(tokens.shape)}")
-        if self._onnx_step is not None and cache is not None:
-            return self._onnx_step(self._check_tokens(tokens, cache), cache)
+        if self._compiled_step is not None and cache is not None:
+            return self._compiled_step(self._check_tokens(tokens, cache), cache)
         return self._run(tokens, cache)[:, -1]
 
     @torch.inference_mode()

@@ -53,17 +53,15 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.modules import module as module_hooks
 
 from kvlab.cache.base import KVCache
 from kvlab.cache.storage.slab import ContiguousKVCache
 from kvlab.model.attention import Attention
 from kvlab.model.layers import RMSNorm, apply_rope, rope_angles
+from kvlab.model.runtimes import ParameterWatch, model_problem
 
 # ``model`` below is a ``kvlab.model.decoder.Decoder``, which imports this module: typed as the nn.Module it is.
 
-RUNTIMES: tuple[str, ...] = ("eager", "onnx", "onnx-packed")
-ONNX_RUNTIMES: tuple[str, ...] = ("onnx", "onnx-packed")  # the ones this module runs
 Outputs = torch.Tensor | tuple[torch.Tensor, ...]
 INSTALL = "pip install -e .[onnx] (onnx and onnxruntime)"
 
@@ -75,46 +73,7 @@ def unsupported(model: nn.Module) -> str | None:
         import onnxruntime  # noqa: F401
     except ImportError:
         return f"onnx and onnxruntime are not installed: {INSTALL}"
-    return _model_problem(model)
-
-
-def _model_problem(model: nn.Module) -> str | None:
-    if model.cfg.mla is not None:
-        return "an MLA model (its attention does not split at the cache); allowed: MHA, GQA or MQA"
-    if model.weight_dtype != "fp32":
-        return f"weight_dtype={model.weight_dtype!r}; allowed: 'fp32' (ONNX Runtime reads the fp32 parameters)"
-    if model.torch_dtype != torch.float32:
-        return (
-            f"a {model.torch_dtype} model; allowed: an fp32 model (a config with dtype='fp32', e.g. "
-            "cfg.replace(dtype='fp32'), or kvlab.from_hf(path, dtype='fp32'))"
-        )
-    if model.device.type != "cpu":
-        return f"a model on {model.device}; allowed: the CPU (model.to('cpu'), or model.runtime = 'eager')"
-    if len(model.layers) != model.cfg.n_layers:
-        return (
-            f"a model with {len(model.layers)} layers where its config names n_layers={model.cfg.n_layers}; allowed: "
-            "the layers its config names (or model.runtime = 'eager')"
-        )
-    return None
-
-
-# Counts every parameter or submodule registered on any module (setattr, load_state_dict(assign=True), ...), so that a
-# step can tell cheaply that its bindings may be stale. Installed with the first OnnxStep.
-_registrations = 0
-_hooks_installed = False
-
-
-def _count_registration(*_) -> None:
-    global _registrations
-    _registrations += 1
-
-
-def _install_hooks() -> None:
-    global _hooks_installed
-    if not _hooks_installed:
-        module_hooks.register_module_module_registration_hook(_count_registration)
-        module_hooks.register_module_parameter_registration_hook(_count_registration)
-        _hooks_installed = True
+    return model_problem(model)
 
 
 class _Method(nn.Module):
@@ -439,7 +398,7 @@ class _WholePlan:
         self.logits_shape = (batch, 1, model.cfg.vocab_size)
         rope = model.rope
         activations = {"tokens": self.tokens, "seqlens": self.seqlens, "inv_freq": rope.inv_freq, "sign": rope.sign}
-        if step.holds_weights:
+        if step.watch.versioned:
             if threads not in step.whole_sessions:
                 step.whole_sessions[threads] = step.whole.session_holding(model, threads)
             self.session, self.weights = step.whole_sessions[threads]
@@ -499,8 +458,8 @@ class OnnxStep:
         reason = unsupported(model)
         if reason is not None:
             raise ValueError(f"runtime: {self.runtime!r} for {reason}")
-        _install_hooks()
         self.model = model
+        self.watch = ParameterWatch(model, copies=packed)
         # The whole-step graph writes out kvlab's own Attention (_whole_step): a layer whose attention is another
         # module keeps the split graphs, which trace it. Asked once: a module replaced later takes a new runtime.
         self.one_graph = one_graph_covers(model.cfg) and all(type(block.attn) is Attention for block in model.layers)
@@ -559,32 +518,18 @@ class OnnxStep:
         with torch.no_grad():
             graph = _Graph(*args)
         # The export wraps the module in one of its own, which counts as a registration: not a change to the model.
-        self.registrations = _registrations
+        self.watch.ignore_registrations()
         return graph
 
     def _forget_plans(self) -> None:
         self.plans: dict[tuple[int, int], _Plan | _WholePlan] = {}  # by batch and threads (0: the split graphs)
         # The whole-step graph's sessions by thread count, each holding the weights' values when it was made.
         self.whole_sessions: dict[int, tuple[object, list[object]]] = {}
-        self.registrations = _registrations
-        # Where each parameter is held, so that a step can see cheaply whether one moved (walking model.parameters()
-        # each step took 0.1 ms, 1% of a step).
-        self.holders = [
-            (m._parameters, n) for m in self.model.modules() for n, p in m._parameters.items() if p is not None
-        ]
-        self.addresses = self._addresses()
         # Under onnx-packed the whole-step graph's sessions hold the weights' values, so an edit in place
         # (load_state_dict, an optimizer's step), which bumps a tensor's version, must make them anew. A tensor made
-        # under inference mode has no version: then the graph binds the weights, as under onnx, and reads them live.
-        self.holds_weights = self.packed and not any(holder[name].is_inference() for holder, name in self.holders)
-        self.versions = self._versions()
-
-    def _addresses(self) -> list[int]:
-        return [holder[name].data_ptr() for holder, name in self.holders]
-
-    def _versions(self) -> list[int]:
-        """The parameters' versions where a session holds their values; nothing to read at each step otherwise."""
-        return [holder[name]._version for holder, name in self.holders] if self.holds_weights else []
+        # under inference mode has no version (``watch.versioned`` is False): then the graph binds the weights, as
+        # under onnx, and reads them live.
+        self.watch.reset()
 
     def _reads_in_place(self, cache: KVCache) -> bool:
         """Whether a step on ``cache`` runs as one graph, attention included: a ``ContiguousKVCache`` of fp32 with keys
@@ -592,24 +537,11 @@ class OnnxStep:
         ``one_graph_covers`` the model). On every other cache, the cache's own attention runs between the graphs."""
         return self.one_graph and type(cache) is ContiguousKVCache and not cache.key_major and cache.codec == "fp32"
 
-    def _stale(self) -> bool:
-        """Whether a binding may point at memory the model no longer reads (a cast or a move changes every address,
-        and ``del model.layers[i]`` registers nothing), or, under onnx-packed, a session holds weights the model has
-        since changed in place. Checked at every step, so kept cheap: the checks before a run find their code and
-        data evicted by the previous run's weights, and cost several times what they cost in a loop of their own
-        (docs/cpu_performance.md, section I)."""
-        return (
-            self.registrations != _registrations
-            or len(self.model.layers) != self.model.cfg.n_layers
-            or self._addresses() != self.addresses
-            or self._versions() != self.versions
-        )
-
     def __call__(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         model = self.model
         with self.lock:
-            if self._stale():
-                reason = _model_problem(model)
+            if self.watch.stale():
+                reason = model_problem(model)
                 if reason is not None:  # the model was moved or cast after it was built
                     raise ValueError(f"runtime: {self.runtime!r} for {reason}")
                 self._forget_plans()

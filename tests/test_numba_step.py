@@ -1,0 +1,259 @@
+"""``Decoder(runtime="numba")``: the whole decode step as one call compiled by numba, on a contiguous fp32 cache with
+key-major keys (what ``new_cache`` makes); every other cache runs the eager step.
+
+The runtime must compute the eager step's logits (to fp32 rounding: its sums run in another order, so a tolerance)
+for every attention layout it covers, ragged head sizes and batches included; it must leave in the cache the K/V the
+eager step stores; it must read the model's weights as they are now; and it must refuse, naming the field and what is
+allowed, every model it does not cover.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+
+from kvlab import Decoder
+from kvlab.cache import ContiguousKVCache, PagedKVCache
+from kvlab.cache.base import CacheCapacityError
+from kvlab.model.attention import Attention
+from kvlab.spec.config import MLAConfig
+
+from .helpers import assert_greedy_picks, tiny_config
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("numba") is None, reason="pip install -e .[numba]")
+
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def pair(cfg, seed: int = 3) -> tuple[Decoder, Decoder]:
+    """An eager model with random norm weights (at their initial ones, a step that skipped a norm would still match)
+    and the same weights under ``runtime="numba"``."""
+    eager = Decoder(cfg, device="cpu", seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in eager.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+    compiled = Decoder(cfg, device="cpu", runtime="numba")
+    compiled.load_state_dict(eager.state_dict())
+    return eager, compiled
+
+
+@pytest.fixture
+def compiled_runs(monkeypatch) -> list[int]:
+    """Counts the compiled steps run, so that a test sees the runtime really ran (the eager fallback would give the
+    same logits)."""
+    from kvlab.model import numba_kernels
+
+    runs, step = [0], numba_kernels.step
+
+    def counted(*args):
+        runs[0] += 1
+        return step(*args)
+
+    monkeypatch.setattr(numba_kernels, "step", counted)
+    return runs
+
+
+@torch.inference_mode()
+def decode_both(eager: Decoder, other: Decoder, make_cache, tokens: torch.Tensor, n_prefill: int) -> list:
+    """Prefill ``tokens[:, :n_prefill]``, then decode the rest one step at a time on each model's own cache; asserts
+    every step's logits agree and returns the two caches."""
+    caches = make_cache(eager), make_cache(other)
+    for model, cache in zip((eager, other), caches, strict=True):
+        model.prefill(tokens[:, :n_prefill], cache)
+    for i in range(n_prefill, tokens.shape[1]):
+        want, got = (m.decode_step(tokens[:, i], c) for m, c in zip((eager, other), caches, strict=True))
+        torch.testing.assert_close(got, want, **TOL, msg=lambda m, i=i: f"step {i}: {m}")
+    return list(caches)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"n_kv_heads": 4},
+        {"n_kv_heads": 1},
+        {"tie_embeddings": True},
+        {"head_dim": 32},  # n_heads x head_dim != d_model, and four of the eight-row key passes
+        {"head_dim": 12, "n_heads": 6, "n_kv_heads": 3},  # one eight-row pass, then four single rows
+        {
+            "rope_scaling": (
+                ("rope_type", "llama3"),
+                ("factor", 8.0),
+                ("low_freq_factor", 1.0),
+                ("high_freq_factor", 4.0),
+                ("original_max_position_embeddings", 16),
+            )
+        },
+    ],
+    ids=["gqa", "mha", "mqa", "tied-head", "wide-heads", "odd-head-dim", "llama3-rope"],
+)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_numba_runtime_computes_the_eager_steps_logits_and_kv(overrides, batch, compiled_runs) -> None:
+    """Steps past 4 and 8 tokens, so that the value passes of four tokens end on a remainder and on none."""
+    eager, compiled = pair(tiny_config(**overrides))
+    tokens = torch.randint(0, eager.cfg.vocab_size, (batch, 14), generator=torch.Generator().manual_seed(5))
+    caches = decode_both(eager, compiled, lambda m: m.new_cache(batch, 16), tokens, 3)
+    assert compiled_runs[0] == 11
+    for layer in range(eager.cfg.n_layers):
+        for want, got in zip(*(c.read(layer) for c in caches), strict=True):
+            torch.testing.assert_close(got, want, **TOL)
+
+
+def test_numba_runtime_fills_the_cache_to_its_last_slot_and_refuses_one_more(compiled_runs) -> None:
+    eager, compiled = pair(tiny_config())
+    tokens = torch.randint(0, eager.cfg.vocab_size, (1, 8), generator=torch.Generator().manual_seed(2))
+    caches = decode_both(eager, compiled, lambda m: m.new_cache(1, 8), tokens, 1)
+    assert caches[1].length == 8 and compiled_runs[0] == 7
+    with pytest.raises(CacheCapacityError, match="KV cache full"):
+        compiled.decode_step(tokens[:, 0], caches[1])
+    assert caches[1].length == 8
+
+
+def test_numba_runtime_gives_back_the_slot_of_a_step_that_failed(monkeypatch) -> None:
+    from kvlab.model import numba_kernels
+
+    model = Decoder(tiny_config(), device="cpu", runtime="numba")
+    cache = model.new_cache(1, 8)
+    model.prefill(torch.tensor([[1, 2]]), cache)
+
+    def fails(*_):
+        raise RuntimeError("the compiled step failed")
+
+    monkeypatch.setattr(numba_kernels, "step", fails)
+    with pytest.raises(RuntimeError, match="the compiled step failed"):
+        model.decode_step(torch.tensor([3]), cache)
+    assert cache.length == 2
+
+
+@pytest.mark.parametrize(
+    "make_cache",
+    [
+        lambda m: PagedKVCache.for_model(m, 2, 16, block_size=4),
+        lambda m: ContiguousKVCache.for_model(m, 2, 16, key_major=False),
+        lambda m: m.new_cache(2, 16, kv_dtype="int8"),
+    ],
+    ids=["paged", "token-major-keys", "int8-codec"],
+)
+def test_numba_runtime_runs_the_eager_step_on_a_cache_it_does_not_read(make_cache, compiled_runs) -> None:
+    eager, compiled = pair(tiny_config())
+    tokens = torch.randint(0, eager.cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(4))
+    decode_both(eager, compiled, make_cache, tokens, 3)
+    assert compiled_runs[0] == 0
+
+
+def test_numba_runtime_generates_the_eager_models_tokens() -> None:
+    eager, compiled = pair(tiny_config(n_kv_heads=1))
+    prompt = torch.randint(0, eager.cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(8))
+    out = compiled.generate(prompt, 12)
+    with torch.inference_mode():
+        logits = eager(torch.cat([prompt, out], dim=1))[:, prompt.shape[1] - 1 : -1]
+    assert_greedy_picks(out, logits, **TOL)
+
+
+@pytest.mark.parametrize("inference_tensors", [False, True], ids=["versioned", "made-under-inference-mode"])
+def test_numba_runtime_reads_weights_changed_through_the_parameters(inference_tensors: bool, compiled_runs) -> None:
+    """The step holds a transposed copy of the weights, made again when a parameter's version moves (a checkpoint
+    loaded in place, a weight scaled in place). Parameters made under inference mode keep no version, so their
+    steps run eager (no compiled run) and read the weights as they are."""
+    with torch.inference_mode(inference_tensors):
+        eager, compiled = pair(tiny_config())
+    token = torch.tensor([7])
+
+    def logits(model: Decoder) -> torch.Tensor:
+        with torch.inference_mode():
+            return model.decode_step(token, model.new_cache(1, 8))
+
+    def edit(fn) -> None:
+        with torch.inference_mode(inference_tensors), torch.no_grad():
+            for model in (eager, compiled):
+                fn(model)
+
+    before = logits(compiled)
+    torch.testing.assert_close(before, logits(eager), **TOL)
+    edit(lambda m: m.load_state_dict(Decoder(tiny_config(), device="cpu", seed=9).state_dict()))
+    loaded = logits(compiled)
+    assert not torch.allclose(loaded, before)
+    torch.testing.assert_close(loaded, logits(eager), **TOL)
+    edit(lambda m: m.layers[1].mlp.w_down.mul_(3))
+    scaled = logits(compiled)
+    assert not torch.allclose(scaled, loaded)
+    torch.testing.assert_close(scaled, logits(eager), **TOL)
+    assert compiled_runs[0] == (0 if inference_tensors else 3)
+
+
+def test_a_write_through_data_is_read_once_the_runtime_is_set_again() -> None:
+    """``.data`` bumps no version: the copy keeps the values it was made with until the runtime is set again (the
+    module docstring says so)."""
+    eager, compiled = pair(tiny_config())
+    token = torch.tensor([7])
+
+    def logits(model: Decoder) -> torch.Tensor:
+        with torch.inference_mode():
+            return model.decode_step(token, model.new_cache(1, 8))
+
+    before = logits(compiled)
+    for model in (eager, compiled):
+        model.layers[1].mlp.w_down.data.mul_(3)
+    torch.testing.assert_close(logits(compiled), before, **TOL)  # stale, as documented
+    compiled.runtime = "numba"
+    torch.testing.assert_close(logits(compiled), logits(eager), **TOL)
+
+
+def test_numba_runtime_is_settable_and_says_what_it_runs() -> None:
+    model = Decoder(tiny_config(), device="cpu")
+    model.runtime = "numba"
+    assert model.runtime == "numba"
+    assert model.new_cache(1, 4).key_major  # the layout its attention reads
+    model.runtime = "eager"
+    assert model.runtime == "eager"
+    with pytest.raises(ValueError, match=r"runtime: 'fast'; allowed: 'eager', 'onnx', 'onnx-packed', 'numba'"):
+        Decoder(tiny_config(), device="cpu", runtime="fast")
+
+
+class HalvedAttention(Attention):
+    def output(self, attended: torch.Tensor) -> torch.Tensor:
+        return super().output(attended) / 2
+
+
+def with_halved_attention() -> Decoder:
+    model = Decoder(tiny_config(), device="cpu")
+    model.layers[1].attn.__class__ = HalvedAttention
+    model.runtime = "numba"
+    return model
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (lambda: Decoder(tiny_config(mla=MLAConfig(16, 8, 8, 16)), device="cpu", runtime="numba"), "MLA.*allowed: MHA"),
+        (lambda: Decoder(tiny_config(), device="cpu", weight_dtype="int8", runtime="numba"), "allowed: 'fp32'"),
+        (lambda: Decoder(tiny_config(dtype="bf16"), device="cpu", runtime="numba"), "allowed: an fp32 model"),
+        (
+            lambda: Decoder(tiny_config(layer_windows=(4, None)), device="cpu", runtime="numba"),
+            "sliding-window layers; allowed: every layer global",
+        ),
+        (with_halved_attention, "layer 1: a module of another kind.*allowed: the model's own modules"),
+    ],
+    ids=["mla", "int8-weights", "bf16-model", "windowed", "subclassed-attention"],
+)
+def test_numba_runtime_refuses_what_it_does_not_cover(build, match) -> None:
+    with pytest.raises(ValueError, match=f"runtime: 'numba' for .*{match}"):
+        build()
+
+
+def test_numba_runtime_refuses_a_model_moved_after_it_was_built() -> None:
+    model = Decoder(tiny_config(), device="cpu", runtime="numba")
+    model.layers[1].mlp.to("meta")  # one layer off the CPU
+    with pytest.raises(ValueError, match=r"layers.1.mlp.w_gate_up.* on meta; allowed: fp32 tensors on the CPU"):
+        model.decode_step(torch.tensor([1]), model.new_cache(1, 4))
+
+
+def test_numba_runtime_without_numba_says_how_to_install_it(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "numba", None)  # import fails, as where it is not installed
+    with pytest.raises(ValueError, match=r"numba is not installed: pip install -e \.\[numba\]"):
+        Decoder(tiny_config(), device="cpu", runtime="numba")
