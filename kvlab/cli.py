@@ -404,11 +404,11 @@ def _device(name: str | None):
 
 
 def _check_runtime(runtime: str, cfg: ModelConfig, device, weight_dtype: str = "fp32") -> None:
-    """Refuse ``--runtime onnx`` (or ``onnx-packed``) for a model it cannot run, in the command line's terms: before a
-    model is built."""
-    from kvlab.model.runtimes import ONNX_RUNTIMES
+    """Refuse ``--runtime onnx``, ``onnx-packed`` or ``numba`` for a model it cannot run, in the command line's terms:
+    before a model is built."""
+    from kvlab.model.runtimes import RUNTIMES
 
-    if runtime not in ONNX_RUNTIMES:
+    if runtime == "eager" or runtime not in RUNTIMES:  # an unknown name: the Decoder's refusal names them all
         return
     if weight_dtype != "fp32":
         raise UsageError(

@@ -175,6 +175,19 @@ def test_bench_measures_the_onnx_runtime(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_measures_the_numba_runtime(tmp_path):
+    """``kvlab bench --runtime numba`` through the installed entry point: it says which runtime it measured."""
+    pytest.importorskip("numba")
+    cmd = [sys.executable, "-m", "kvlab.cli", "bench", "--preset", "cpu-tiny", "--contexts", "64,128", "--runtime"]
+    cmd += ["numba", "--tokens", "3", "--requests", "1", "--threads", "1", "--json", str(tmp_path / "b.json")]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "runtime numba (one compiled call a step, on one thread)" in result.stdout, result.stdout
+    assert result.stderr.count("Warning") == 0, result.stderr  # numba's compile and cache say nothing
+    assert json.loads((tmp_path / "b.json").read_text())["runtime"] == "numba"
+
+
+@pytest.mark.slow
 def test_bench_reads_the_weights_in_the_precision_asked_and_names_its_kernel(tmp_path):
     """``kvlab bench --weight-dtype fp16`` through the installed entry point: the header names the kernel this CPU
     ran, and the prediction charges two bytes a weight."""
