@@ -4,6 +4,7 @@ measured on the skinny products the step really runs (issue 29, section 3).
     python benchmarks/batched_step.py                       # cpu-small, batch 1 2 4 8 at context 512, one thread
     python benchmarks/batched_step.py --clock thread        # CPU time only, for a loaded machine (one thread)
     python benchmarks/batched_step.py --quick               # cpu-tiny, a smoke run
+    python benchmarks/batched_step.py --runtime numba       # the step compiled by numba (pip install -e .[numba])
 
 A step over B sequences reads each weight once and multiplies it by B rows, so its products do 2 B FLOPs per
 weight (B/2 FLOPs per fp32 byte). A roofline drawn with a square matmul's FLOP rate puts the ridge far above the
@@ -47,6 +48,7 @@ from kvlab.machine.timing import (
     time_interleaved,
 )
 from kvlab.measure.step_time import layer_weights
+from kvlab.model.runtimes import RUNTIMES
 from kvlab.roofline import decode_flops, kv_bytes_per_step, roofline_time_ms, weight_bytes_read
 
 SKINNY_REPEATS = 8  # products per timed call of a cache-resident weight: one is too short for the clock
@@ -160,6 +162,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--clock", default="wall", choices=sorted(CLOCKS), help="thread: CPU time (1 thread only)")
     parser.add_argument("--quick", action="store_true", help="cpu-tiny, few repeats: a smoke run")
+    parser.add_argument("--runtime", default="eager", choices=RUNTIMES, help="what runs the step (Decoder's runtime)")
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.quick:
@@ -172,8 +175,8 @@ def main() -> None:
     if args.clock == "thread" and args.threads != 1:
         raise ValueError(f"--clock thread with --threads {args.threads}; allowed: --threads 1 (it counts one thread)")
     torch.set_num_threads(args.threads)
-    model = Decoder(get_model(args.preset), device="cpu")
-    print("environment:", json.dumps(machine_info()))
+    model = Decoder(get_model(args.preset), device="cpu", runtime=args.runtime)
+    print("environment:", json.dumps(machine_info()), "| runtime:", model.runtime)
     r = measure(model, batches, args.context, args.repeats, args.clock, bandwidth_buffer_mb(quick=args.quick))
     print("\n".join(report(r, args.context)))
     print(
@@ -184,7 +187,8 @@ def main() -> None:
     )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"environment": machine_info(), "preset": args.preset, "context": args.context, **r}, f, indent=2)
+            saved = {"environment": machine_info(), "preset": args.preset, "context": args.context}
+            json.dump(saved | {"runtime": model.runtime, **r}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -257,3 +257,21 @@ def test_numba_runtime_without_numba_says_how_to_install_it(monkeypatch) -> None
     monkeypatch.setitem(sys.modules, "numba", None)  # import fails, as where it is not installed
     with pytest.raises(ValueError, match=r"numba is not installed: pip install -e \.\[numba\]"):
         Decoder(tiny_config(), device="cpu", runtime="numba")
+
+
+@pytest.mark.parametrize("where", ["weight", "cache"])
+def test_numba_runtime_gives_nan_where_the_eager_step_does(where: str, compiled_runs) -> None:
+    """A NaN in a weight or in a cached key reaches the logits, as under eager: no clamp or fast-math flag turns it
+    into a number."""
+    eager, compiled = pair(tiny_config())
+    caches = [m.new_cache(1, 8) for m in (eager, compiled)]
+    for model, cache in zip((eager, compiled), caches, strict=True):
+        model.prefill(torch.tensor([[1, 2, 3]]), cache)
+        with torch.no_grad():
+            if where == "weight":
+                model.layers[0].mlp.w_down[0, 0] = float("nan")
+            else:
+                cache.slabs(1)[0][0, 0, 0, 1] = float("nan")  # layer 1, head 0, channel 0 of token 1
+    want, got = (m.decode_step(torch.tensor([4]), c) for m, c in zip((eager, compiled), caches, strict=True))
+    assert want.isnan().all() and got.isnan().all()
+    assert compiled_runs[0] == 1
