@@ -2,11 +2,12 @@
 
 Why: each decode step reads every weight once, so on a CPU its floor is the weights' bytes over the memory bandwidth.
 The one-row products of PyTorch's kernels (MKL), numpy's (OpenBLAS) and ONNX Runtime's (MLAS) read weights stored
-``[in, out]`` at 15-19 GB/s on a 2-core AMD EPYC, where the machine copies at 19-26 (docs/cpu_performance.md,
-sections C, N and Q). A dot product of each ``[out, in]`` row with the activation streams the matrix front to back,
-and compiled by LLVM for the CPU it runs on it read the same weights at 20-22 GB/s there, as fast as the copy. So this
-step holds the matrices transposed, ``[out, in]``, and runs the whole step, embedding to logits, in one compiled
-function: no Python and no PyTorch call between two products.
+``[in, out]`` at 12-20 GB/s on a 2-core AMD EPYC (Zen 4), where the machine copies at 21-23 (docs/cpu_performance.md,
+sections N and Q). A dot product of each ``[out, in]`` row with the activation streams the matrix front to back;
+compiled by LLVM for the CPU it runs on, it read the same weights at 82-88% of copy when called once per matrix. So
+this step holds the matrices transposed, ``[out, in]``, and runs the whole step, embedding to logits, in one compiled
+function, with no Python and no PyTorch call between two products. There its zero-context step of cpu-small read
+the weights at 95-108% of copy at one thread, 0.82-0.95x llama.cpp's F32 step (section Q).
 
 What it holds: a copy of every projection matrix, transposed (the weights' bytes once more; a tied head is read
 from the embedding where it lies). The copy is made at the first step and again when a parameter has changed since:
