@@ -49,6 +49,8 @@ from kvlab.spec.presets import (
 from kvlab.spec.published import HARDWARE_CLASSES
 
 TOKENS_PER_K = 1024
+# The runtimes kvlab serve runs: its cache is paged, which runtime="numba" does not read.
+SERVE_RUNTIMES = ("eager", "onnx", "onnx-packed")
 DEFAULT_BENCH_CONTEXTS = "1k,4k,8k,16k"
 # bench's options that only make sense against a server
 ENDPOINT_FLAGS = (
@@ -364,7 +366,8 @@ def measure_sweep(
     """Decode the runnable ``preset`` on this machine at each context (tokens): ``kvlab bench``'s measurement, which
     ``kvlab report --measure`` runs too. Returns the config it ran (max context raised to fit) and the
     ``kvlab.measure.sweep.Sweep``, whose prediction uses the read bandwidth measured in the same run. ``runtime``
-    is ``Decoder``'s (``"eager"``, or ``"onnx"`` and ``"onnx-packed"`` for ONNX Runtime on the CPU), and so is
+    is ``Decoder``'s (``"eager"``; ``"onnx"`` and ``"onnx-packed"`` for ONNX Runtime, ``"numba"`` for the step
+    compiled by numba, both on the CPU), and so is
     ``weight_dtype`` (``kvlab.model.weights.WEIGHT_DTYPES``)."""
     import torch
 
@@ -744,16 +747,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     block_size = _positive_int(args.block_size, "--block-size")
     max_batch = _positive_int(args.max_batch, "--max-batch")
     max_waiting = _positive_int(args.max_waiting, "--max-waiting")
+    if args.runtime is not None and args.runtime not in SERVE_RUNTIMES:
+        paged = args.runtime == "numba"
+        why = "numba reads contiguous caches only, and kvlab serve's cache is paged; " if paged else ""
+        raise UsageError(f"--runtime: {args.runtime!r}: {why}allowed: {', '.join(SERVE_RUNTIMES)}")
     device = _device(args.device)
     try:
         model, name, bos, eos = load_model(args.model, device)
     except (ValueError, OSError, RuntimeError) as e:
         raise UsageError(f"--model: {args.model}: {e}") from None
-    if args.runtime == "numba":
-        raise UsageError(
-            "--runtime: numba reads contiguous caches only, and kvlab serve's cache is paged; allowed: eager, onnx, "
-            "onnx-packed"
-        )
     if args.runtime:
         _set_runtime(model, args.runtime)
     # By default the pool holds max_batch requests at the model's full context.
@@ -978,7 +980,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--runtime",
         help="what runs decode steps: eager (default) or onnx (ONNX Runtime, CPU, fp32; pip install -e .[onnx]); "
-        "onnx-packed serves as onnx does (its paged cache runs two graphs a layer, which bind the weights)",
+        "onnx-packed serves as onnx does (its paged cache runs two graphs a layer, which bind the weights); not "
+        "numba, which reads contiguous caches only",
     )
     s.add_argument("--blocks", help="KV blocks in the pool (default: --max-batch requests at the full context)")
     s.add_argument("--block-size", default="16", help="tokens per block (default 16)")

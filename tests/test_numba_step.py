@@ -275,3 +275,57 @@ def test_numba_runtime_gives_nan_where_the_eager_step_does(where: str, compiled_
     want, got = (m.decode_step(torch.tensor([4]), c) for m, c in zip((eager, compiled), caches, strict=True))
     assert want.isnan().all() and got.isnan().all()
     assert compiled_runs[0] == 1
+
+
+def test_numba_runtime_refuses_a_module_replaced_after_it_was_set() -> None:
+    """A replaced module registers, so the next step checks the model again: refused by name, not run as kvlab's own
+    arithmetic."""
+    model = Decoder(tiny_config(), device="cpu", runtime="numba")
+    cache = model.new_cache(1, 8)
+    model.decode_step(torch.tensor([1]), cache)
+    halved = HalvedAttention(model.cfg, 1, model.weights)
+    halved.load_state_dict(model.layers[1].attn.state_dict())
+    model.layers[1].attn = halved
+    with pytest.raises(ValueError, match=r"runtime: 'numba' for layer 1: a module of another kind"):
+        model.decode_step(torch.tensor([2]), cache)
+    assert cache.length == 1
+
+
+def test_numba_runtime_reads_the_norms_epsilon_and_the_softmax_scale_as_they_are_now(compiled_runs) -> None:
+    """Eager reads each norm's ``_eps`` and each attention's ``scale`` at every step, and changing them bumps no
+    parameter's version: the compiled step reads them at every step too."""
+    eager, compiled = pair(tiny_config())
+    token = torch.tensor([7])
+
+    def logits(model: Decoder) -> torch.Tensor:
+        with torch.inference_mode():
+            return model.decode_step(token, model.new_cache(1, 8))
+
+    before = logits(compiled)
+    for model in (eager, compiled):
+        model.layers[0].attn.scale *= 4
+        model.layers[1].mlp_norm._eps.fill_(0.5)
+        model.norm._eps.fill_(0.25)
+    after = logits(compiled)
+    assert not torch.allclose(after, before)
+    torch.testing.assert_close(after, logits(eager), **TOL)
+    assert compiled_runs[0] == 2
+
+
+def test_numba_runtime_follows_a_head_set_to_none_and_lets_go_of_a_freed_cache(compiled_runs) -> None:
+    import gc
+    import weakref
+
+    eager, compiled = pair(tiny_config())
+    for model in (eager, compiled):
+        model.lm_head = None  # tied to the embedding from now on: no registration, a parameter gone
+    cache = compiled.new_cache(1, 8)
+    with torch.inference_mode():
+        torch.testing.assert_close(
+            compiled.decode_step(torch.tensor([3]), cache), eager.decode_step(torch.tensor([3]), eager.new_cache(1, 8))
+        )
+    slab = weakref.ref(cache.slabs(0)[0].untyped_storage())
+    del cache
+    gc.collect()
+    assert slab() is None  # the step's arrays over the slabs went with the cache
+    assert compiled_runs[0] == 1

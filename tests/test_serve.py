@@ -376,7 +376,7 @@ def test_serve_command_refuses_bad_options(capsys: pytest.CaptureFixture[str]) -
                        (["--model", "kvlab-tiny-stdlib", "--sinks", "4"], "--sinks"),
                        (["--model", "kvlab-tiny-stdlib", "--window", "-3"], "--window"),
                        (["--model", "kvlab-tiny-stdlib", "--runtime", "fast"], "--runtime"),
-                       (["--model", "kvlab-tiny-stdlib", "--runtime", "numba"], "--runtime: numba reads")]:  # fmt: skip
+                       (["--model", "kvlab-tiny-stdlib", "--runtime", "numba"], "'numba': numba reads")]:  # fmt: skip
         with pytest.raises(SystemExit) as exit_:
             main(["serve", *argv])
         assert exit_.value.code == 2 and flag in capsys.readouterr().err

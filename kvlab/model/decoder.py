@@ -70,8 +70,8 @@ class Decoder(nn.Module):
     ``weight_dtype`` (``kvlab.model.weights.WEIGHT_DTYPES``, default fp32) is the precision the projections and the LM
     head read their weights in; the parameters themselves stay fp32 (``kvlab.model.weights``). With another precision,
     ``cfg`` records it in ``weight_dtypes``, so the byte model (``kvlab.roofline``) charges those bytes.
-    ``runtime`` (``"eager"``, ``"onnx"`` or ``"onnx-packed"``) is what runs ``decode_step``: see the ``runtime``
-    property.
+    ``runtime`` (``kvlab.model.runtimes.RUNTIMES``: ``"eager"``, ``"onnx"``, ``"onnx-packed"`` or ``"numba"``) is what
+    runs ``decode_step``: see the ``runtime`` property.
     """
 
     def __init__(
@@ -116,9 +116,11 @@ class Decoder(nn.Module):
     def runtime(self) -> str:
         """What runs ``decode_step``: ``"eager"`` (PyTorch, every model and device), ``"onnx"`` (ONNX Runtime: the
         whole step as one graph on the cache ``new_cache`` makes, the dense parts around the cache's own attention on
-        any other; ``kvlab.model.onnx_step``), or ``"onnx-packed"`` (the same, with the whole-step graph holding a
+        any other; ``kvlab.model.onnx_step``), ``"onnx-packed"`` (the same, with the whole-step graph holding a
         copy of the weights repacked for ONNX Runtime's products: faster, more memory, and blind to writes through
-        ``.data``). Settable, e.g. after loading a checkpoint."""
+        ``.data``), or ``"numba"`` (the whole step as one function compiled by numba, on one thread, reading a
+        transposed copy of the weights, on the cache ``new_cache`` makes; the eager step on any other:
+        ``kvlab.model.numba_step``). Settable, e.g. after loading a checkpoint."""
         return "eager" if self._compiled_step is None else self._compiled_step.runtime
 
     @runtime.setter

@@ -9,12 +9,15 @@ this step holds the matrices transposed, ``[out, in]``, and runs the whole step,
 function, with no Python and no PyTorch call between two products. There its zero-context step of cpu-small read
 the weights at 95-108% of copy at one thread, 0.82-0.95x llama.cpp's F32 step (section Q).
 
-What it holds: a copy of every projection matrix, transposed (the weights' bytes once more; a tied head is read
-from the embedding where it lies). The copy is made at the first step and again when a parameter has changed since:
-an edit through the parameter (``load_state_dict``, an operation in place under ``no_grad``) bumps its version, a
-move (``.data =``, a cast) its address, and a new parameter or submodule registers. A write through ``.data`` or a
-numpy view bumps nothing and goes unseen until ``model.runtime = "numba"`` is set again. A model whose parameters
-were made under inference mode keeps no versions, so its steps run eager.
+What it holds: a copy of every projection matrix, transposed, and of the layers' norm weights (the weights' bytes
+once more; the embedding, a tied head and the final norm are read where they lie). The copy is made at the first step
+and again when a parameter has changed since: an edit through the parameter (``load_state_dict``, an operation in
+place under ``no_grad``) bumps its version, a move (``.data =``, a cast) its address, and a new parameter or
+submodule registers (on any model: every step made in the process copies again once). A write through ``.data`` or
+a numpy view bumps nothing: to a copied weight it goes unseen until ``model.runtime = "numba"`` is set again. A
+model whose parameters were made under inference mode keeps no versions, so its steps run eager. A module replaced
+by one of another kind is refused at the next step; one whose ``__class__`` is reassigned registers nothing, so set
+the runtime again after that.
 
 What it covers (``unsupported`` names the rest): dense fp32 MHA/GQA/MQA models of kvlab's own modules on the CPU,
 with no sliding-window layer, one new token per sequence, on a ``ContiguousKVCache`` of fp32 (what
@@ -99,20 +102,24 @@ class _Weights:
         self.norms = np.stack(
             [[array(f"layers.{i}.{n}.weight") for n in ("attn_norm", "mlp_norm")] for i in range(len(model.layers))]
         )
-        self.eps = np.array([[b.attn_norm.eps, b.mlp_norm.eps] for b in model.layers], dtype=np.float32)
         self.wqkv, self.wo = stacked("attn.wqkv"), stacked("attn.wo")
         self.wgu, self.wdown = stacked("mlp.w_gate_up"), stacked("mlp.w_down")
-        self.scales = np.array([b.attn.scale for b in model.layers], dtype=np.float32)
-        self.final_norm, self.final_eps = np.ascontiguousarray(array("norm.weight")), np.float32(model.norm.eps)
+        self.final_norm = np.ascontiguousarray(array("norm.weight"))
         # A tied head is the embedding, already [V, d]: read where it lies.
         self.head = self.embed if model.lm_head is None else np.ascontiguousarray(array("lm_head").T)
         self.n_heads = model.cfg.n_heads
 
-    def arguments(self) -> tuple:
-        """``numba_kernels.step``'s ``weights``."""
+    def arguments(self, model: nn.Module) -> tuple:
+        """``numba_kernels.step``'s ``weights``: these arrays, and the norms' epsilons and the softmax scales as
+        ``model`` holds them now. The eager step reads those at every step (each ``RMSNorm``'s ``_eps``, each
+        ``Attention``'s ``scale``), and a write to them bumps no parameter's version."""
+        layers = model.layers
+        eps = np.array([[b.attn_norm._eps.item(), b.mlp_norm._eps.item()] for b in layers], dtype=np.float32)
+        scales = np.array([b.attn.scale for b in layers], dtype=np.float32)
+        final_eps = np.float32(model.norm._eps.item())
         return (
-            *(self.embed, self.norms, self.eps, self.wqkv, self.wo, self.wgu, self.wdown, self.scales),
-            *(self.final_norm, self.final_eps, self.head),
+            *(self.embed, self.norms, eps, self.wqkv, self.wo, self.wgu, self.wdown, scales),
+            *(self.final_norm, final_eps, self.head),
         )
 
 
@@ -133,6 +140,20 @@ class NumbaStep:
         self.slabs: tuple[weakref.ref[KVCache], tuple, tuple] | None = None  # a cache and its slabs as arrays
         self.lock = threading.Lock()
 
+    def _bind(self, cache: ContiguousKVCache) -> None:
+        """Hold ``cache``'s slabs as arrays for the steps on it, until a step on another cache or until ``cache`` is
+        freed: the arrays keep the slabs' memory alive, so they are let go of with the cache."""
+        step = weakref.ref(self)
+
+        def forget(ref: weakref.ref) -> None:
+            held = step()
+            if held is not None and held.slabs is not None and held.slabs[0] is ref:
+                held.slabs = None
+
+        slabs = [cache.slabs(layer) for layer in range(cache.shape.n_layers)]
+        keys, values = tuple(k.numpy() for k, _ in slabs), tuple(v.numpy() for _, v in slabs)
+        self.slabs = (weakref.ref(cache, forget), keys, values)
+
     @staticmethod
     def reads(cache: KVCache) -> bool:
         """Whether a step on ``cache`` runs compiled: a ``ContiguousKVCache`` of fp32 with key-major keys."""
@@ -144,18 +165,15 @@ class NumbaStep:
             return model._run(tokens, cache)[:, -1]
         with self.lock:
             if self.weights is None or self.watch.stale():
-                reason = model_problem(model)
-                if reason is not None:  # the model was moved or cast after it was built
+                reason = unsupported(model)
+                if reason is not None:  # the model was moved, cast or given another module after it was built
                     raise ValueError(f"runtime: 'numba' for {reason}")
                 self.watch.reset()
                 self.weights = _Weights(model) if self.watch.versioned else None
             if self.weights is None:  # inference-mode parameters: an edit in place would go unseen
                 return model._run(tokens, cache)[:, -1]
             if self.slabs is None or self.slabs[0]() is not cache:
-                slabs = [cache.slabs(layer) for layer in range(cache.shape.n_layers)]
-                keys = tuple(k.numpy() for k, _ in slabs)
-                values = tuple(v.numpy() for _, v in slabs)
-                self.slabs = (weakref.ref(cache), keys, values)
+                self._bind(cache)
             start = cache.reserve(1)
             cos, sin = model.angles(start, 1)
             # Fresh logits at every step, as the eager step returns: a caller may keep them.
@@ -163,7 +181,7 @@ class NumbaStep:
             try:
                 ids, angles = np.ascontiguousarray(tokens[:, 0].numpy()), (cos[0, 0].numpy(), sin[0, 0].numpy())
                 keys, values = self.slabs[1:]
-                weights, n_heads = self.weights.arguments(), self.weights.n_heads
+                weights, n_heads = self.weights.arguments(model), self.weights.n_heads
                 _compiled().step(ids, start, *angles, weights, keys, values, n_heads, logits.numpy())
             except Exception:
                 cache.truncate(start)  # the step did not happen: its slot is not the cache's

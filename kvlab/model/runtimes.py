@@ -83,10 +83,13 @@ class ParameterWatch:
         self.registrations = _registrations
 
     def _addresses(self) -> list[int]:
-        return [holder[name].data_ptr() for holder, name in self.holders]
+        # A parameter set to None (model.lm_head = None) registers nothing: its 0 differs from any address.
+        return [0 if holder[name] is None else holder[name].data_ptr() for holder, name in self.holders]
 
     def _versions(self) -> list[int]:
-        return [holder[name]._version for holder, name in self.holders] if self.versioned else []
+        if not self.versioned:
+            return []
+        return [-1 if holder[name] is None else holder[name]._version for holder, name in self.holders]
 
     def stale(self) -> bool:
         """Checked at every step, so kept cheap: the checks before a compiled run find their code and data evicted by
