@@ -92,9 +92,10 @@ def decode_both(eager: Decoder, other: Decoder, make_cache, tokens: torch.Tensor
     ],
     ids=["gqa", "mha", "mqa", "tied-head", "wide-heads", "odd-head-dim", "llama3-rope"],
 )
-@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("batch", [1, 5])
 def test_numba_runtime_computes_the_eager_steps_logits_and_kv(overrides, batch, compiled_runs) -> None:
-    """Steps past 4 and 8 tokens, so that the value passes of four tokens end on a remainder and on none."""
+    """Steps past 4 and 8 tokens, so that the value passes of four tokens end on a remainder and on none; a batch of
+    5, so that the products take four sequences at a time, then one."""
     eager, compiled = pair(tiny_config(**overrides))
     tokens = torch.randint(0, eager.cfg.vocab_size, (batch, 14), generator=torch.Generator().manual_seed(5))
     caches = decode_both(eager, compiled, lambda m: m.new_cache(batch, 16), tokens, 3)
