@@ -330,3 +330,19 @@ def test_numba_runtime_follows_a_head_set_to_none_and_lets_go_of_a_freed_cache(c
     gc.collect()
     assert slab() is None  # the step's arrays over the slabs went with the cache
     assert compiled_runs[0] == 1
+
+
+@pytest.mark.parametrize("bad", [-1, 101])
+def test_numba_runtime_refuses_ids_outside_the_vocabulary_and_keeps_the_cache(bad: int, compiled_runs) -> None:
+    """The compiled step checks the ids itself, before it writes anything: the error names them, as eager's does."""
+    model = Decoder(tiny_config(), device="cpu", runtime="numba")  # vocab_size 101
+    cache = model.new_cache(2, 8)
+    model.prefill(torch.tensor([[1, 2], [3, 4]]), cache)
+    before = [t.clone() for t in cache.read(0)]
+    with pytest.raises(
+        ValueError, match=rf"tokens: ids {min(bad, 5)}\.\.{max(bad, 5)}; allowed: 0 <= id < vocab_size=101"
+    ):
+        model.decode_step(torch.tensor([5, bad]), cache)
+    assert cache.length == 2 and compiled_runs[0] == 1
+    for want, got in zip(before, cache.read(0), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -206,9 +206,9 @@ class Decoder(nn.Module):
             cos, sin = self.rope(start.to(self.device)[:, None] + torch.arange(n, device=self.device))
         return cos.to(self.torch_dtype), sin.to(self.torch_dtype)
 
-    def _check_tokens(self, tokens: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
-        """``tokens`` (a tensor on the model's device), refused unless ``[B, T]`` ids in the vocabulary, B the
-        cache's."""
+    def _check_tokens(self, tokens: torch.Tensor, cache: KVCache | None, ids: bool = True) -> torch.Tensor:
+        """``tokens`` (a tensor on the model's device), refused unless ``[B, T]`` ids in the vocabulary (unless not
+        ``ids``: a step that checks them itself), B the cache's."""
         if tokens.dim() != 2 or tokens.shape[1] == 0:
             raise ValueError(f"tokens: shape {tuple(tokens.shape)}; allowed: [batch, time] with time >= 1")
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
@@ -218,12 +218,14 @@ class Decoder(nn.Module):
             self._check_cache(cache)
             if tokens.shape[0] != cache.batch_size:
                 raise ValueError(f"tokens: batch {tokens.shape[0]} but the cache holds {cache.batch_size} sequences")
-        if tokens.device.type != "cpu":
-            return tokens  # reading min/max back would stall the GPU queue once per step
+        if ids and tokens.device.type == "cpu":  # on a GPU, reading min/max back would stall its queue every step
+            self._check_ids(tokens)
+        return tokens
+
+    def _check_ids(self, tokens: torch.Tensor) -> None:
         lo, hi = (int(t) for t in torch.aminmax(tokens))
         if lo < 0 or hi >= self.cfg.vocab_size:
             raise ValueError(f"tokens: ids {lo}..{hi}; allowed: 0 <= id < vocab_size={self.cfg.vocab_size}")
-        return tokens
 
     def _check_cache(self, cache: KVCache) -> None:
         """Refuse, naming what differs, a cache shaped for another model (another model's ``new_cache``), or for
@@ -280,8 +282,9 @@ class Decoder(nn.Module):
             tokens = tokens[:, None]
         if tokens.shape[-1] != 1:
             raise ValueError(f"tokens: decode_step takes one token per sequence; got shape {tuple(tokens.shape)}")
-        if self._compiled_step is not None and cache is not None:
-            return self._compiled_step(self._check_tokens(tokens, cache), cache)
+        step = self._compiled_step
+        if step is not None and cache is not None:
+            return step(self._check_tokens(tokens, cache, ids=not step.checks_ids), cache)
         return self._run(tokens, cache)[:, -1]
 
     @torch.inference_mode()

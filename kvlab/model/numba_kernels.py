@@ -176,14 +176,19 @@ def attend(q, keys, values, n, scale, out, scores):
 
 
 @jit
-def step(tokens, pos, cos, sin, weights, keys, values, n_heads, logits):
+def step(tokens, pos, cos_table, sin_table, weights, keys, values, n_heads, logits):
     """One decode step of ``tokens`` ``[B]`` at position ``pos``: writes their K/V into slot ``pos`` of ``keys``
     and ``values`` (per layer ``[B, Hkv, D, capacity]`` and ``[B, Hkv, capacity, D]``), logits into ``logits``
-    ``[B, V]``. ``cos``, ``sin``: RoPE's ``[D]`` at ``pos`` (``RotaryEmbedding``, its sign in ``sin``).
-    ``weights``: the embedding ``[V, d]``; the norms' weights ``[L, 2, d]`` and epsilons ``[L, 2]`` (before attention,
-    before the MLP); the projections ``[L, out, in]`` (QKV, output, gate and up, down); the softmax scales ``[L]``;
-    the final norm's weight and epsilon; the head ``[V, d]``."""
+    ``[B, V]``. False, with nothing written, if an id lies outside the vocabulary. ``cos_table``, ``sin_table``:
+    RoPE's ``[positions, D]`` (``RotaryEmbedding``'s table, its sign in ``sin``), read at ``pos``. ``weights``: the
+    embedding ``[V, d]``; the norms' weights ``[L, 2, d]`` and epsilons ``[L, 2]`` (before attention, before the
+    MLP); the projections ``[L, out, in]`` (QKV, output, gate and up, down); the softmax scales ``[L]``; the final
+    norm's weight and epsilon; the head ``[V, d]``."""
     embed, norms, eps, wqkv, wo, wgu, wdown, scales, final_norm, final_eps, head = weights
+    for b in range(tokens.shape[0]):
+        if tokens[b] < 0 or tokens[b] >= embed.shape[0]:
+            return False
+    cos, sin = cos_table[pos], sin_table[pos]
     b_size, d_model = tokens.shape[0], embed.shape[1]
     n_layers = wqkv.shape[0]
     hkv, head_dim = values[0].shape[1], values[0].shape[3]
@@ -225,3 +230,4 @@ def step(tokens, pos, cos, sin, weights, keys, values, n_heads, logits):
         matvec(wdown[layer], act, x, True)
     rms_norm(x, final_norm, final_eps, xn)
     matvec(head, xn, logits, False)
+    return True

@@ -81,7 +81,8 @@ def _compiled():
 
 class _Weights:
     """The arrays the compiled step reads, made from ``model``'s parameters: the projections stacked by layer and
-    transposed, ``[L, out, in]`` (a copy), the embedding and the final norm where the parameters lie."""
+    transposed, ``[L, out, in]``, and the layers' norm weights (copies); the embedding and the final norm where the
+    parameters lie; the norms' epsilons and the softmax scales as the model holds them now."""
 
     def __init__(self, model: nn.Module) -> None:
         params = dict(model.named_parameters())
@@ -98,29 +99,60 @@ class _Weights:
         def stacked(kind: str) -> np.ndarray:  # [L, out, in], a copy
             return np.ascontiguousarray(np.stack([array(f"layers.{i}.{kind}").T for i in range(len(model.layers))]))
 
-        self.embed = np.ascontiguousarray(array("embed.weight"))  # [V, d]
-        self.norms = np.stack(
-            [[array(f"layers.{i}.{n}.weight") for n in ("attn_norm", "mlp_norm")] for i in range(len(model.layers))]
-        )
-        self.wqkv, self.wo = stacked("attn.wqkv"), stacked("attn.wo")
-        self.wgu, self.wdown = stacked("mlp.w_gate_up"), stacked("mlp.w_down")
-        self.final_norm = np.ascontiguousarray(array("norm.weight"))
-        # A tied head is the embedding, already [V, d]: read where it lies.
-        self.head = self.embed if model.lm_head is None else np.ascontiguousarray(array("lm_head").T)
-        self.n_heads = model.cfg.n_heads
-
-    def arguments(self, model: nn.Module) -> tuple:
-        """``numba_kernels.step``'s ``weights``: these arrays, and the norms' epsilons and the softmax scales as
-        ``model`` holds them now. The eager step reads those at every step (each ``RMSNorm``'s ``_eps``, each
-        ``Attention``'s ``scale``), and a write to them bumps no parameter's version."""
         layers = model.layers
-        eps = np.array([[b.attn_norm._eps.item(), b.mlp_norm._eps.item()] for b in layers], dtype=np.float32)
-        scales = np.array([b.attn.scale for b in layers], dtype=np.float32)
-        final_eps = np.float32(model.norm._eps.item())
-        return (
-            *(self.embed, self.norms, eps, self.wqkv, self.wo, self.wgu, self.wdown, scales),
-            *(self.final_norm, final_eps, self.head),
+        embed = np.ascontiguousarray(array("embed.weight"))  # [V, d]
+        norms = np.stack(
+            [[array(f"layers.{i}.{n}.weight") for n in ("attn_norm", "mlp_norm")] for i in range(len(layers))]
         )
+        # Eager reads each RMSNorm's _eps buffer (watched, ParameterWatch's buffers) and each Attention's scale (an
+        # attribute: NumbaStep compares them at every step).
+        eps = np.array([[b.attn_norm._eps.item(), b.mlp_norm._eps.item()] for b in layers], dtype=np.float32)
+        self.scales = [b.attn.scale for b in layers]
+        # A tied head is the embedding, already [V, d]: read where it lies.
+        head = embed if model.lm_head is None else np.ascontiguousarray(array("lm_head").T)
+        self.arguments = (
+            *(embed, norms, eps, stacked("attn.wqkv"), stacked("attn.wo"), stacked("mlp.w_gate_up")),
+            *(
+                stacked("mlp.w_down"),
+                np.array(self.scales, dtype=np.float32),
+                np.ascontiguousarray(array("norm.weight")),
+            ),
+            *(np.float32(model.norm._eps.item()), head),
+        )  # numba_kernels.step's weights, in its order
+
+
+class _Plan:
+    """Everything a step on one cache passes the compiled step but the tokens, made once for the weights' copy and
+    the cache, so that a step runs as little Python as it can: Python run between two steps finds its code and data
+    evicted by the weights' stream, and costs several times what it costs in a loop of its own. On cpu-small the
+    Python around the compiled call took about 0.8 ms a step before this plan and 0.5 after (docs/cpu_performance.md,
+    section Q).
+
+    It holds the cache's slabs as arrays, which keep the slabs' memory alive: a weak reference to the cache lets go
+    of it when the cache is freed (``NumbaStep.plan`` is cleared). RoPE's angles are read from the model's own table,
+    ``RotaryEmbedding.span``'s, grown as positions pass its end."""
+
+    def __init__(self, step: NumbaStep, weights: _Weights, cache: ContiguousKVCache) -> None:
+        owner = weakref.ref(step)
+
+        def forget(ref: weakref.ref) -> None:
+            held = owner()
+            if held is not None and held.plan is not None and held.plan.cache is ref:
+                held.plan = None
+
+        self.cache, self.weights = weakref.ref(cache, forget), weights
+        slabs = [cache.slabs(layer) for layer in range(cache.shape.n_layers)]
+        keys, values = tuple(k.numpy() for k, _ in slabs), tuple(v.numpy() for _, v in slabs)
+        self.arguments = (weights.arguments, keys, values, step.model.cfg.n_heads)
+        self.positions = 0  # the angle table's length, as last read
+
+    def angles(self, rope: nn.Module, start: int) -> tuple[np.ndarray, np.ndarray]:
+        """RoPE's tables ``[positions, D]``, holding position ``start``."""
+        if start >= self.positions:
+            rope.span(start, 1)  # grows the table to hold it
+            self.table = tuple(t.numpy().reshape(t.shape[0], t.shape[-1]) for t in (rope._cos, rope._sin))
+            self.positions = self.table[0].shape[0]
+        return self.table
 
 
 class NumbaStep:
@@ -129,42 +161,33 @@ class NumbaStep:
     the model."""
 
     runtime = "numba"
+    checks_ids = True  # the compiled step checks the token ids, and the eager step it falls back to does too
 
     def __init__(self, model: nn.Module) -> None:
         reason = unsupported(model)
         if reason is not None:
             raise ValueError(f"runtime: 'numba' for {reason}")
         self.model = model
-        self.watch = ParameterWatch(model, copies=True)
+        self.watch = ParameterWatch(model, copies=True, buffers=("_eps",))
         self.weights: _Weights | None = None
-        self.slabs: tuple[weakref.ref[KVCache], tuple, tuple] | None = None  # a cache and its slabs as arrays
+        self.plan: _Plan | None = None
         self.lock = threading.Lock()
-
-    def _bind(self, cache: ContiguousKVCache) -> None:
-        """Hold ``cache``'s slabs as arrays for the steps on it, until a step on another cache or until ``cache`` is
-        freed: the arrays keep the slabs' memory alive, so they are let go of with the cache."""
-        step = weakref.ref(self)
-
-        def forget(ref: weakref.ref) -> None:
-            held = step()
-            if held is not None and held.slabs is not None and held.slabs[0] is ref:
-                held.slabs = None
-
-        slabs = [cache.slabs(layer) for layer in range(cache.shape.n_layers)]
-        keys, values = tuple(k.numpy() for k, _ in slabs), tuple(v.numpy() for _, v in slabs)
-        self.slabs = (weakref.ref(cache, forget), keys, values)
 
     @staticmethod
     def reads(cache: KVCache) -> bool:
         """Whether a step on ``cache`` runs compiled: a ``ContiguousKVCache`` of fp32 with key-major keys."""
         return type(cache) is ContiguousKVCache and cache.key_major and cache.codec == "fp32"
 
+    def _stale(self) -> bool:
+        weights = self.weights
+        return weights is None or self.watch.stale() or [b.attn.scale for b in self.model.layers] != weights.scales
+
     def __call__(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         model = self.model
         if not self.reads(cache):
             return model._run(tokens, cache)[:, -1]
         with self.lock:
-            if self.weights is None or self.watch.stale():
+            if self._stale():
                 reason = unsupported(model)
                 if reason is not None:  # the model was moved, cast or given another module after it was built
                     raise ValueError(f"runtime: 'numba' for {reason}")
@@ -172,17 +195,19 @@ class NumbaStep:
                 self.weights = _Weights(model) if self.watch.versioned else None
             if self.weights is None:  # inference-mode parameters: an edit in place would go unseen
                 return model._run(tokens, cache)[:, -1]
-            if self.slabs is None or self.slabs[0]() is not cache:
-                self._bind(cache)
+            plan = self.plan
+            if plan is None or plan.cache() is not cache or plan.weights is not self.weights:
+                plan = self.plan = _Plan(self, self.weights, cache)
+            ids = tokens.numpy().reshape(-1)
+            if ids.dtype != np.int64:
+                ids = ids.astype(np.int64)
             start = cache.reserve(1)
-            cos, sin = model.angles(start, 1)
             # Fresh logits at every step, as the eager step returns: a caller may keep them.
-            logits = torch.empty(tokens.shape[0], model.cfg.vocab_size)
+            logits = torch.empty(ids.shape[0], model.cfg.vocab_size)
             try:
-                ids, angles = np.ascontiguousarray(tokens[:, 0].numpy()), (cos[0, 0].numpy(), sin[0, 0].numpy())
-                keys, values = self.slabs[1:]
-                weights, n_heads = self.weights.arguments(model), self.weights.n_heads
-                _compiled().step(ids, start, *angles, weights, keys, values, n_heads, logits.numpy())
+                ran = _compiled().step(ids, start, *plan.angles(model.rope, start), *plan.arguments, logits.numpy())
+                if not ran:
+                    model._check_ids(tokens)  # raises, naming the ids
             except Exception:
                 cache.truncate(start)  # the step did not happen: its slot is not the cache's
                 raise

@@ -466,6 +466,8 @@ class OnnxStep:
         self.lock = threading.Lock()
         self._forget_plans()
 
+    checks_ids = False  # Decoder.decode_step checks the token ids before a step
+
     @property
     def runtime(self) -> str:
         """``Decoder.runtime``'s name for this step: ``"onnx-packed"`` or ``"onnx"``."""

@@ -62,18 +62,19 @@ class ParameterWatch:
     ``versioned`` is False when ``copies`` was asked for but some parameter was made under inference mode, which keeps
     no version: then an edit in place cannot be seen, and the step must read the parameters where they are."""
 
-    def __init__(self, model: nn.Module, copies: bool) -> None:
+    def __init__(self, model: nn.Module, copies: bool, buffers: tuple[str, ...] = ()) -> None:
+        """``buffers``: names of buffers watched as parameters are (e.g. ``RMSNorm``'s ``_eps``)."""
         _install_hooks()
-        self.model, self.copies = model, copies
+        self.model, self.copies, self.buffers = model, copies, buffers
         self.reset()
 
     def reset(self) -> None:
         """Take the parameters as they are now."""
         self.registrations = _registrations
         # Where each parameter is held: walking model.parameters() at every step took 0.1 ms, 1% of a step.
-        self.holders = [
-            (m._parameters, n) for m in self.model.modules() for n, p in m._parameters.items() if p is not None
-        ]
+        modules = list(self.model.modules())
+        self.holders = [(m._parameters, n) for m in modules for n, p in m._parameters.items() if p is not None]
+        self.holders += [(m._buffers, n) for m in modules for n in self.buffers if m._buffers.get(n) is not None]
         self.addresses = self._addresses()
         self.versioned = self.copies and not any(holder[name].is_inference() for holder, name in self.holders)
         self.versions = self._versions()
