@@ -346,3 +346,13 @@ def test_numba_runtime_refuses_ids_outside_the_vocabulary_and_keeps_the_cache(ba
     assert cache.length == 2 and compiled_runs[0] == 1
     for want, got in zip(before, cache.read(0), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_numba_runtime_refuses_an_id_past_a_smaller_embedding() -> None:
+    """An embedding replaced by a smaller one: eager's index error, here a named refusal, never unwritten logits."""
+    model = Decoder(tiny_config(), device="cpu", runtime="numba")
+    model.embed = torch.nn.Embedding(50, model.cfg.d_model)
+    cache = model.new_cache(1, 4)
+    with pytest.raises(ValueError, match=r"tokens: an id outside the embedding's 50 rows"):
+        model.decode_step(torch.tensor([60]), cache)
+    assert cache.length == 0

@@ -208,6 +208,12 @@ class NumbaStep:
                 ran = _compiled().step(ids, start, *plan.angles(model.rope, start), *plan.arguments, logits.numpy())
                 if not ran:
                     model._check_ids(tokens)  # raises, naming the ids
+                    # The compiled step bounds ids by the embedding's rows, eager by cfg.vocab_size: never return
+                    # the unwritten logits if the two ever disagree.
+                    raise ValueError(
+                        f"tokens: an id outside the embedding's {model.embed.weight.shape[0]} rows; allowed: "
+                        f"0 <= id < vocab_size={model.cfg.vocab_size}, with an embedding of that many rows"
+                    )
             except Exception:
                 cache.truncate(start)  # the step did not happen: its slot is not the cache's
                 raise
