@@ -23,7 +23,8 @@ What it covers (``unsupported`` names the rest): dense fp32 MHA/GQA/MQA models o
 with no sliding-window layer, one new token per sequence, on a ``ContiguousKVCache`` of fp32 (what
 ``Decoder.new_cache`` makes for such a model). On any other cache the eager step runs, and prefill is always eager:
 it runs once per request, and its products are compute-bound. It runs on one thread. ``numba`` comes with
-``pip install -e .[numba]``; its first step compiles (a few seconds, cached on disk after).
+``pip install -e .[numba]``; its first step compiles (about 10 s on a 2-core machine), and the result is cached
+on disk.
 
 The arithmetic is the eager step's, reassociated: sums run in another order (fastmath, so that LLVM vectorises them),
 so logits agree with eager's to float32 rounding, not bit for bit.
