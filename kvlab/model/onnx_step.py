@@ -453,6 +453,8 @@ class OnnxStep:
     that share the model, since every step at one batch size writes the same buffers.
     """
 
+    checks_ids = False  # Decoder.decode_step checks the token ids before a step
+
     def __init__(self, model: nn.Module, packed: bool = False) -> None:
         self.packed = packed
         reason = unsupported(model)
@@ -465,8 +467,6 @@ class OnnxStep:
         self.one_graph = one_graph_covers(model.cfg) and all(type(block.attn) is Attention for block in model.layers)
         self.lock = threading.Lock()
         self._forget_plans()
-
-    checks_ids = False  # Decoder.decode_step checks the token ids before a step
 
     @property
     def runtime(self) -> str:
