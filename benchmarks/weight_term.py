@@ -104,10 +104,11 @@ def matvec_candidates(model: Decoder) -> tuple[dict[str, object], dict[str, int]
         "int8 dynamic linear": run(lambda i: int8.matmul(xs[i], weights[i])),
     }
     if numba_step.unsupported(model) is None:  # numba's product, as runtime="numba" runs it on [out, in] rows
-        kernels = numba_step._compiled()
+        from kvlab.model import numba_kernels  # imports numba: only where it is installed
+
         rows, xs_np = [t.numpy() for t in transposed], [x.numpy() for x in xs]
         outs = [np.empty((1, w.shape[1]), np.float32) for w in weights]
-        candidates["numba rows [out, in]"] = run(lambda i: kernels.matvec(rows[i], xs_np[i], outs[i], False))
+        candidates["numba rows [out, in]"] = run(lambda i: numba_kernels.matvec(rows[i], xs_np[i], outs[i], False))
     fp32_bytes = sum(w.numel() * 4 for w in weights)
     nbytes = dict.fromkeys(candidates, fp32_bytes)
     nbytes["int8 dynamic linear"] = sum(int8.weight_bytes(w) for w in weights)

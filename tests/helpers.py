@@ -22,6 +22,26 @@ def tiny_config(**overrides) -> ModelConfig:
     return ModelConfig(**(base | overrides))
 
 
+def runtime_pair(cfg: ModelConfig, runtime: str, seed: int = 3) -> tuple[Decoder, Decoder]:
+    """An eager model with random norm weights (at their initial ones, a step that skipped a norm would still match)
+    and the same weights under ``runtime`` (a compiled one: ``"onnx"``, ``"onnx-packed"``, ``"numba"``)."""
+    eager = Decoder(cfg, device="cpu", seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in eager.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+    other = Decoder(cfg, device="cpu", runtime=runtime)
+    other.load_state_dict(eager.state_dict())
+    return eager, other
+
+
+@torch.inference_mode()
+def first_step_logits(model: Decoder, token: int = 7) -> torch.Tensor:
+    """``model``'s logits for ``token`` decoded into a fresh cache: one step at position 0."""
+    return model.decode_step(torch.tensor([token]), model.new_cache(1, 8))
+
+
 def sharp_random_model(vocab_size: int, seed: int = 0, **overrides) -> Decoder:
     """A small random model whose predictions depend strongly on context: every weight but the norms 10x the usual
     init, so greedy picks are far apart and a cache that loses context changes them."""

@@ -162,29 +162,23 @@ def test_bench_of_one_context_prints_its_tpot_and_says_there_is_no_line(tmp_path
 
 
 @pytest.mark.slow
-def test_bench_measures_the_onnx_runtime(tmp_path):
-    """``kvlab bench --runtime onnx`` through the installed entry point: it says which runtime it measured."""
-    pytest.importorskip("onnxruntime")
+@pytest.mark.parametrize(
+    ("runtime", "needs", "header"),
+    [("onnx", "onnxruntime", "runtime onnx (one graph a step)"),
+     ("numba", "numba", "runtime numba (one compiled call a step, on one thread)")],
+)  # fmt: skip
+def test_bench_measures_a_compiled_runtime(tmp_path, runtime, needs, header):
+    """``kvlab bench --runtime`` through the installed entry point: it says which runtime it measured, and the
+    runtime's compile and caches write no warning."""
+    pytest.importorskip(needs)
     cmd = [sys.executable, "-m", "kvlab.cli", "bench", "--preset", "cpu-tiny", "--contexts", "64,128", "--runtime"]
-    cmd += ["onnx", "--tokens", "3", "--requests", "1", "--threads", "1", "--json", str(tmp_path / "b.json")]
+    cmd += [runtime, "--tokens", "3", "--requests", "1", "--threads", "1", "--json", str(tmp_path / "b.json")]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert "runtime onnx (one graph a step)" in result.stdout and "fit:" in result.stdout, result.stdout
+    assert header in result.stdout and "fit:" in result.stdout, result.stdout
     assert "R^2 n/a (a line through two points fits them exactly)" in result.stdout  # not a perfect-looking 1.0000
-    assert json.loads((tmp_path / "b.json").read_text())["runtime"] == "onnx"  # what the sweep's model ran
-
-
-@pytest.mark.slow
-def test_bench_measures_the_numba_runtime(tmp_path):
-    """``kvlab bench --runtime numba`` through the installed entry point: it says which runtime it measured."""
-    pytest.importorskip("numba")
-    cmd = [sys.executable, "-m", "kvlab.cli", "bench", "--preset", "cpu-tiny", "--contexts", "64,128", "--runtime"]
-    cmd += ["numba", "--tokens", "3", "--requests", "1", "--threads", "1", "--json", str(tmp_path / "b.json")]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert "runtime numba (one compiled call a step, on one thread)" in result.stdout, result.stdout
-    assert result.stderr.count("Warning") == 0, result.stderr  # numba's compile and cache say nothing
-    assert json.loads((tmp_path / "b.json").read_text())["runtime"] == "numba"
+    assert result.stderr.count("Warning") == 0, result.stderr
+    assert json.loads((tmp_path / "b.json").read_text())["runtime"] == runtime  # what the sweep's model ran
 
 
 @pytest.mark.slow

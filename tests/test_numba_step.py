@@ -9,6 +9,7 @@ allowed, every model it does not cover.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 
@@ -21,25 +22,14 @@ from kvlab.cache.base import CacheCapacityError
 from kvlab.model.attention import Attention
 from kvlab.spec.config import MLAConfig
 
-from .helpers import assert_greedy_picks, tiny_config
+from .helpers import assert_greedy_picks, first_step_logits, runtime_pair, tiny_config
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("numba") is None, reason="pip install -e .[numba]")
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 
 
-def pair(cfg, seed: int = 3) -> tuple[Decoder, Decoder]:
-    """An eager model with random norm weights (at their initial ones, a step that skipped a norm would still match)
-    and the same weights under ``runtime="numba"``."""
-    eager = Decoder(cfg, device="cpu", seed=seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in eager.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
-    compiled = Decoder(cfg, device="cpu", runtime="numba")
-    compiled.load_state_dict(eager.state_dict())
-    return eager, compiled
+pair = functools.partial(runtime_pair, runtime="numba")
 
 
 @pytest.fixture
@@ -163,27 +153,22 @@ def test_numba_runtime_reads_weights_changed_through_the_parameters(inference_te
     steps run eager (no compiled run) and read the weights as they are."""
     with torch.inference_mode(inference_tensors):
         eager, compiled = pair(tiny_config())
-    token = torch.tensor([7])
-
-    def logits(model: Decoder) -> torch.Tensor:
-        with torch.inference_mode():
-            return model.decode_step(token, model.new_cache(1, 8))
 
     def edit(fn) -> None:
         with torch.inference_mode(inference_tensors), torch.no_grad():
             for model in (eager, compiled):
                 fn(model)
 
-    before = logits(compiled)
-    torch.testing.assert_close(before, logits(eager), **TOL)
+    before = first_step_logits(compiled)
+    torch.testing.assert_close(before, first_step_logits(eager), **TOL)
     edit(lambda m: m.load_state_dict(Decoder(tiny_config(), device="cpu", seed=9).state_dict()))
-    loaded = logits(compiled)
+    loaded = first_step_logits(compiled)
     assert not torch.allclose(loaded, before)
-    torch.testing.assert_close(loaded, logits(eager), **TOL)
+    torch.testing.assert_close(loaded, first_step_logits(eager), **TOL)
     edit(lambda m: m.layers[1].mlp.w_down.mul_(3))
-    scaled = logits(compiled)
+    scaled = first_step_logits(compiled)
     assert not torch.allclose(scaled, loaded)
-    torch.testing.assert_close(scaled, logits(eager), **TOL)
+    torch.testing.assert_close(scaled, first_step_logits(eager), **TOL)
     assert compiled_runs[0] == (0 if inference_tensors else 3)
 
 
@@ -191,18 +176,12 @@ def test_a_write_through_data_is_read_once_the_runtime_is_set_again() -> None:
     """``.data`` bumps no version: the copy keeps the values it was made with until the runtime is set again (the
     module docstring says so)."""
     eager, compiled = pair(tiny_config())
-    token = torch.tensor([7])
-
-    def logits(model: Decoder) -> torch.Tensor:
-        with torch.inference_mode():
-            return model.decode_step(token, model.new_cache(1, 8))
-
-    before = logits(compiled)
+    before = first_step_logits(compiled)
     for model in (eager, compiled):
         model.layers[1].mlp.w_down.data.mul_(3)
-    torch.testing.assert_close(logits(compiled), before, **TOL)  # stale, as documented
+    torch.testing.assert_close(first_step_logits(compiled), before, **TOL)  # stale, as documented
     compiled.runtime = "numba"
-    torch.testing.assert_close(logits(compiled), logits(eager), **TOL)
+    torch.testing.assert_close(first_step_logits(compiled), first_step_logits(eager), **TOL)
 
 
 def test_numba_runtime_is_settable_and_says_what_it_runs() -> None:
@@ -296,20 +275,14 @@ def test_numba_runtime_reads_the_norms_epsilon_and_the_softmax_scale_as_they_are
     """Eager reads each norm's ``_eps`` and each attention's ``scale`` at every step, and changing them bumps no
     parameter's version: the compiled step reads them at every step too."""
     eager, compiled = pair(tiny_config())
-    token = torch.tensor([7])
-
-    def logits(model: Decoder) -> torch.Tensor:
-        with torch.inference_mode():
-            return model.decode_step(token, model.new_cache(1, 8))
-
-    before = logits(compiled)
+    before = first_step_logits(compiled)
     for model in (eager, compiled):
         model.layers[0].attn.scale *= 4
         model.layers[1].mlp_norm._eps.fill_(0.5)
         model.norm._eps.fill_(0.25)
-    after = logits(compiled)
+    after = first_step_logits(compiled)
     assert not torch.allclose(after, before)
-    torch.testing.assert_close(after, logits(eager), **TOL)
+    torch.testing.assert_close(after, first_step_logits(eager), **TOL)
     assert compiled_runs[0] == 2
 
 

@@ -10,6 +10,7 @@ and it must refuse, naming the field and what is allowed, every model it does no
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 import threading
@@ -24,7 +25,7 @@ from kvlab.model.attention import Attention
 from kvlab.model.layers import RMSNorm, RotaryEmbedding
 from kvlab.spec.config import MLAConfig
 
-from .helpers import tiny_config
+from .helpers import first_step_logits, runtime_pair, tiny_config
 from .test_composition import CACHES_UNDER_WINDOWS, WINDOWED
 
 needs_onnxruntime = pytest.mark.skipif(
@@ -35,18 +36,7 @@ needs_onnxruntime = pytest.mark.skipif(
 TOL = dict(rtol=1e-4, atol=1e-4)
 
 
-def pair(cfg, seed: int = 3, runtime: str = "onnx") -> tuple[Decoder, Decoder]:
-    """An eager model with random norm weights (at their initial ones, a graph that skipped a norm would still
-    match) and the same weights under ``runtime`` (``"onnx"`` or ``"onnx-packed"``)."""
-    eager = Decoder(cfg, device="cpu", seed=seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in eager.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
-    onnx = Decoder(cfg, device="cpu", runtime=runtime)
-    onnx.load_state_dict(eager.state_dict())
-    return eager, onnx
+pair = functools.partial(runtime_pair, runtime="onnx")
 
 
 @pytest.fixture
@@ -415,29 +405,24 @@ def test_onnx_packed_reads_weights_changed_through_the_parameters(inference_tens
     anew. Parameters made under inference mode keep none, so their weights are bound and read as they are."""
     with torch.inference_mode(inference_tensors):
         eager, onnx = pair(tiny_config(), runtime="onnx-packed")
-    token = torch.tensor([7])
-
-    def logits(model: Decoder) -> torch.Tensor:
-        with torch.inference_mode():
-            return model.decode_step(token, model.new_cache(1, 8))
 
     def edit(fn) -> None:
         with torch.inference_mode(inference_tensors), torch.no_grad():
             for model in (eager, onnx):
                 fn(model)
 
-    before = logits(onnx)
-    torch.testing.assert_close(before, logits(eager), **TOL)
+    before = first_step_logits(onnx)
+    torch.testing.assert_close(before, first_step_logits(eager), **TOL)
     assert len(onnx._compiled_step.whole_sessions) == (0 if inference_tensors else 1)
     other = Decoder(tiny_config(), device="cpu", seed=9).state_dict()
     edit(lambda m: m.load_state_dict(other))
-    loaded = logits(onnx)
+    loaded = first_step_logits(onnx)
     assert not torch.allclose(loaded, before)
-    torch.testing.assert_close(loaded, logits(eager), **TOL)
+    torch.testing.assert_close(loaded, first_step_logits(eager), **TOL)
     edit(lambda m: m.layers[1].mlp.w_down.mul_(3))
-    scaled = logits(onnx)
+    scaled = first_step_logits(onnx)
     assert not torch.allclose(scaled, loaded)
-    torch.testing.assert_close(scaled, logits(eager), **TOL)
+    torch.testing.assert_close(scaled, first_step_logits(eager), **TOL)
 
 
 @needs_onnxruntime
@@ -448,23 +433,17 @@ def test_a_write_through_data_is_read_under_onnx_and_under_onnx_packed_once_the_
     eager, onnx = pair(tiny_config())
     packed = Decoder(eager.cfg, device="cpu", runtime="onnx-packed")
     packed.load_state_dict(eager.state_dict())
-    token = torch.tensor([7])
-
-    def logits(model: Decoder) -> torch.Tensor:
-        with torch.inference_mode():
-            return model.decode_step(token, model.new_cache(1, 8))
-
-    before = logits(eager)
+    before = first_step_logits(eager)
     for model in (onnx, packed):  # each makes its session before the write
-        torch.testing.assert_close(logits(model), before, **TOL)
+        torch.testing.assert_close(first_step_logits(model), before, **TOL)
     assert not onnx._compiled_step.whole_sessions and len(packed._compiled_step.whole_sessions) == 1
     for model in (eager, onnx, packed):
         model.layers[1].mlp.w_down.data.mul_(3)
-    want = logits(eager)
-    torch.testing.assert_close(logits(onnx), want, **TOL)
-    torch.testing.assert_close(logits(packed), before, **TOL)  # stale, as documented
+    want = first_step_logits(eager)
+    torch.testing.assert_close(first_step_logits(onnx), want, **TOL)
+    torch.testing.assert_close(first_step_logits(packed), before, **TOL)  # stale, as documented
     packed.runtime = "onnx-packed"
-    torch.testing.assert_close(logits(packed), want, **TOL)
+    torch.testing.assert_close(first_step_logits(packed), want, **TOL)
 
 
 @needs_onnxruntime

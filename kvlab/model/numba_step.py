@@ -145,7 +145,8 @@ class _Plan:
         slabs = [cache.slabs(layer) for layer in range(cache.shape.n_layers)]
         keys, values = tuple(k.numpy() for k, _ in slabs), tuple(v.numpy() for _, v in slabs)
         self.arguments = (weights.arguments, keys, values, step.model.cfg.n_heads)
-        self.positions = 0  # the angle table's length, as last read
+        self.table: tuple[np.ndarray, ...] = ()  # RoPE's cos and sin tables, as last read
+        self.positions = 0  # their length
 
     def angles(self, rope: nn.Module, start: int) -> tuple[np.ndarray, np.ndarray]:
         """RoPE's tables ``[positions, D]``, holding position ``start``."""
